@@ -1,0 +1,75 @@
+"""The `dagrl` command.
+
+    dagrl train [CONFIG] [key=value ...] [--print-config]
+    dagrl plan  [CONFIG] [key=value ...]        # the graph and each rank's task list
+    dagrl data make arith --out DIR [--seed S]  # the default task as verl-layout parquet
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+USAGE = __doc__
+
+
+def plan_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dagrl plan",
+                                     description="Show the DAG and every rank's task list "
+                                                 "without loading any model.")
+    parser.add_argument("args", nargs="*", help="[CONFIG.yaml] [key=value ...]")
+    ns = parser.parse_args(argv)
+    from dagrl.config.loader import ConfigError
+    from dagrl.dag.planner import format_plan
+    from dagrl.dag.spec import GraphError
+    from dagrl.registry import UnknownNameError
+    from dagrl.runtime.worker import plan_for
+    from dagrl.train import load_cli_config
+
+    try:
+        cfg = load_cli_config(ns.args)
+        graph, order, plans = plan_for(cfg, cfg.trainer.n_workers)
+    except (ConfigError, GraphError, UnknownNameError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(format_plan(graph, order, plans))
+    return 0
+
+
+def data_main(argv: Sequence[str]) -> int:
+    from dagrl.data.makers import MAKERS
+
+    parser = argparse.ArgumentParser(prog="dagrl data")
+    sub = parser.add_subparsers(dest="action", required=True)
+    make = sub.add_parser("make", help="write a built-in dataset as train/test parquet")
+    make.add_argument("name", choices=sorted(MAKERS))
+    make.add_argument("--out", required=True, help="output directory")
+    make.add_argument("--seed", type=int, default=0)
+    ns = parser.parse_args(argv)
+    paths = MAKERS[ns.name](ns.out, seed=ns.seed)
+    for split, path in paths.items():
+        print(f"{split}: {path}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command == "train":
+        from dagrl.train import main as train_main
+
+        return train_main(rest)
+    if command == "plan":
+        return plan_main(rest)
+    if command == "data":
+        return data_main(rest)
+    print(f"unknown command {command!r}\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

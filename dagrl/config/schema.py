@@ -1,0 +1,211 @@
+"""The configuration: one plain dataclass per section, each validating itself.
+
+Every key a user can set is a field here, with its default. `dagrl train --print-config`
+prints the resolved tree; `dagrl/config/loader.py` builds it strictly from YAML and `a.b=c`
+overrides (an unknown key or a wrong type is an error naming the key). Messages raised from
+`__post_init__` start with the field name; the loader prefixes the section (`actor.lr ...`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from dagrl.config.loader import ConfigError
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass
+class ModelConfig:
+    # A local Hugging Face model directory, or `builtin:tiny-qwen2` / `builtin:tiny-llama`: a
+    # tiny randomly initialised model and character tokenizer, written into the run directory
+    # as an ordinary HF directory and then loaded through the same code as any other model.
+    path: str = "builtin:tiny-qwen2"
+    # Name of a .gguf file inside `path` (transformers dequantises it on load).
+    gguf_file: str = ""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Size of the builtin tiny models (ignored for real checkpoints).
+    tiny_hidden_size: int = 64
+    tiny_layers: int = 2
+
+    def __post_init__(self) -> None:
+        _check(bool(self.path), "path must name a model directory or builtin:tiny-qwen2")
+        _check(self.tiny_hidden_size % 16 == 0 and self.tiny_hidden_size > 0,
+               "tiny_hidden_size must be a positive multiple of 16")
+        _check(self.tiny_layers > 0, "tiny_layers must be > 0")
+
+
+@dataclass
+class DataConfig:
+    # Parquet files in the verl layout, or `builtin:arith` (written into the run directory by
+    # the same maker as `dagrl data make arith`).
+    train_files: list[str] = field(default_factory=lambda: ["builtin:arith"])
+    prompt_key: str = "prompt"
+    # Prompts per step, summed over all workers (each prompt gets rollout.n samples).
+    train_batch_size: int = 32
+    max_prompt_length: int = 16
+    # A prompt longer than max_prompt_length: an error naming the row, or cut on one side.
+    truncation: Literal["error", "left", "right"] = "error"
+    shuffle: bool = True
+    # The last, incomplete batch of an epoch: dropped (and counted in the log) or padded with
+    # prompts from the start of the next epoch's order.
+    tail: Literal["drop", "pad"] = "drop"
+
+    def __post_init__(self) -> None:
+        _check(len(self.train_files) > 0, "train_files must list at least one parquet file")
+        _check(self.train_batch_size > 0, "train_batch_size must be > 0")
+        _check(self.max_prompt_length > 0, "max_prompt_length must be > 0")
+
+
+@dataclass
+class RolloutConfig:
+    n: int = 8                      # samples per prompt (the GRPO group size)
+    temperature: float = 1.0        # 0 means greedy
+    top_k: int = 0                  # 0 disables
+    top_p: float = 1.0              # 1 disables
+    max_new_tokens: int = 6
+    min_new_tokens: int = 0         # EOS is masked out until this many tokens are generated
+
+    def __post_init__(self) -> None:
+        _check(self.n > 0, "n must be > 0")
+        _check(self.temperature >= 0, "temperature must be >= 0")
+        _check(self.top_k >= 0, "top_k must be >= 0 (0 disables it)")
+        _check(0 < self.top_p <= 1, "top_p must be in (0, 1]")
+        _check(self.max_new_tokens > 0, "max_new_tokens must be > 0")
+        _check(0 <= self.min_new_tokens <= self.max_new_tokens,
+               "min_new_tokens must be in [0, max_new_tokens]")
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    warmup_steps: int = 0           # linear warmup of the learning rate, in optimizer steps
+    grad_clip: float = 1.0          # max global grad norm; 0 disables clipping
+    # Prompts per optimizer step, summed over workers (verl's ppo_mini_batch_size): a step's
+    # batch of train_batch_size prompts gives train_batch_size / mini_batch_size updates.
+    mini_batch_size: int = 32
+    # Samples per forward/backward on one worker; gradients accumulate over micro-batches.
+    micro_batch_size: int = 64
+    ppo_epochs: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "lr must be > 0")
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+               "betas must be two numbers in [0, 1)")
+        _check(self.grad_clip >= 0, "grad_clip must be >= 0 (0 disables it)")
+        _check(self.mini_batch_size > 0, "mini_batch_size must be > 0")
+        _check(self.micro_batch_size > 0, "micro_batch_size must be > 0")
+        _check(self.ppo_epochs > 0, "ppo_epochs must be > 0")
+        _check(self.warmup_steps >= 0, "warmup_steps must be >= 0")
+
+
+@dataclass
+class RefConfig:
+    micro_batch_size: int = 64      # samples per forward pass of the reference model
+
+    def __post_init__(self) -> None:
+        _check(self.micro_batch_size > 0, "micro_batch_size must be > 0")
+
+
+@dataclass
+class RewardConfig:
+    # `path/to/file.py:function` or `package.module:function`, verl's signature:
+    # compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict.
+    # Empty: the built-in scorer registered for each sample's data_source.
+    custom_fn: str = ""
+    # A scorer that raises or returns a non-number: stop with an error naming the sample, or
+    # count it (metric reward/errors, first message logged) and give it error_score.
+    on_error: Literal["raise", "count"] = "raise"
+    error_score: float = 0.0
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"              # selects the built-in DAG (dagrl plan shows it)
+    adv_estimator: str = "grpo"
+    norm_adv_by_std: bool = True    # GRPO: divide by the group std; False is Dr.GRPO's choice
+    policy_loss: str = "vanilla"
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.2
+    clip_ratio_c: float = 3.0       # dual clip bound for negative advantages
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
+                           "seq-mean-token-sum-norm"] = "token-mean"
+    entropy_coeff: float = 0.0
+    # KL to the reference policy as a loss term (GRPO's choice). 0 disables the term, and the
+    # reference model is then not needed by the update.
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+
+    def __post_init__(self) -> None:
+        _check(self.clip_ratio_low >= 0 and self.clip_ratio_high >= 0,
+               "clip_ratio_low and clip_ratio_high must be >= 0")
+        _check(self.clip_ratio_c > 1, "clip_ratio_c must be > 1")
+        _check(self.kl_loss_coef >= 0, "kl_loss_coef must be >= 0")
+
+
+@dataclass
+class DagConfig:
+    # Empty: the built-in graph named by algorithm.name. Otherwise a built-in graph's name or a
+    # YAML file describing the graph (see docs/architecture.md).
+    graph: str = ""
+    # Python modules or .py files imported before the graph is validated; they register
+    # user roles with `dagrl.register_role`.
+    modules: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 60
+    seed: int = 0
+    n_workers: int = 1
+    # Where metrics.jsonl, config.yaml and built-in artefacts go. Empty: runs/<algorithm>-<time>.
+    run_dir: str = ""
+    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    # torch intra-op threads per worker; 0 leaves torch's default.
+    torch_threads: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.total_steps > 0, "total_steps must be > 0")
+        _check(self.n_workers > 0, "n_workers must be > 0")
+        _check(self.torch_threads >= 0, "torch_threads must be >= 0")
+
+
+@dataclass
+class LoggingConfig:
+    backends: list[Literal["console", "jsonl"]] = field(
+        default_factory=lambda: ["console", "jsonl"])
+    progress_bar: bool = True
+    # Print a one-line summary every this many steps (the progress bar updates every step).
+    console_every: int = 10
+
+    def __post_init__(self) -> None:
+        _check(self.console_every > 0, "console_every must be > 0")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    dag: DagConfig = field(default_factory=DagConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        # Cross-section checks: the batch must split evenly into mini-batches and workers.
+        _check(self.data.train_batch_size % self.actor.mini_batch_size == 0,
+               f"actor.mini_batch_size ({self.actor.mini_batch_size}) must divide "
+               f"data.train_batch_size ({self.data.train_batch_size})")
+        _check(self.actor.mini_batch_size % self.trainer.n_workers == 0,
+               f"actor.mini_batch_size ({self.actor.mini_batch_size}) must be divisible by "
+               f"trainer.n_workers ({self.trainer.n_workers})")

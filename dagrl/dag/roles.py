@@ -1,0 +1,77 @@
+"""The role registry: what a DAG node of a given role *does*.
+
+A role is a function `fn(ctx: NodeContext, batch: Batch) -> Batch` plus the engines (models)
+the worker must build for it. Built-in roles live in `dagrl/runtime/nodes.py`; a user adds one
+from their own module (listed in `dag.modules`) without touching the worker:
+
+    from dagrl import register_role
+
+    @register_role("length_penalty", engines=())
+    def length_penalty(ctx, batch):
+        batch["scores"] = batch["scores"] - 0.01 * batch["response_mask"].sum(-1)
+        return batch
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+from dagrl.registry import Registry
+
+# Engines a role may ask for; the worker builds the union over the nodes it runs.
+ENGINES = ("actor", "ref", "rollout", "reward")
+
+
+@dataclass(frozen=True)
+class Role:
+    name: str
+    fn: Callable
+    engines: tuple[str, ...] = ()
+    # A training node: with several workers the planner rebalances tokens across ranks first.
+    trains: bool = False
+
+
+ROLES: Registry[Role] = Registry("DAG role")
+
+
+def register_role(name: str, *, engines: Sequence[str] = (), trains: bool = False) -> Callable:
+    """Decorator registering `fn(ctx, batch) -> batch` as the role `name`."""
+    bad = [e for e in engines if e not in ENGINES]
+    if bad:
+        raise ValueError(f"role {name!r} asks for unknown engine(s) {bad}; known: {ENGINES}")
+
+    def decorator(fn: Callable) -> Callable:
+        ROLES.add(name, Role(name, fn, tuple(engines), trains))
+        return fn
+
+    return decorator
+
+
+def load_builtin_roles() -> Registry[Role]:
+    """Import the module that registers the built-in roles (idempotent) and return ROLES."""
+    import dagrl.runtime.nodes  # noqa: F401  (registers on import)
+
+    return ROLES
+
+
+def import_user_modules(modules: Sequence[str]) -> None:
+    """Import `dag.modules` entries: dotted module names or paths to .py files."""
+    for spec in modules:
+        if spec.endswith(".py"):
+            path = Path(spec).resolve()
+            if not path.is_file():
+                raise FileNotFoundError(f"dag.modules: no such file {spec!r}")
+            name = f"dagrl_user_{abs(hash(str(path)))}"
+            if name in sys.modules:
+                continue
+            module_spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[name] = module
+            module_spec.loader.exec_module(module)
+        else:
+            importlib.import_module(spec)

@@ -1,0 +1,238 @@
+"""Prompt datasets in the verl/siiRL parquet layout, read by each worker for its own shard.
+
+Layout (one row per prompt): `prompt` (a chat message list), `data_source`,
+`reward_model.ground_truth`, and optionally `extra_info` and `ability`. Datasets prepared for
+verl load unchanged.
+
+`ParquetPrompts` indexes the row groups of the files without reading them; `PromptLoader`
+walks a seeded global order, one global batch per step, and materialises only this worker's
+slice of each batch, reading only the row groups that hold it. Its state (epoch, batch within
+the epoch) is a small dict that a checkpoint can save.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+
+from dagrl.data.batch import Batch
+
+REQUIRED_COLUMNS = ("data_source", "reward_model")
+
+
+class DatasetError(ValueError):
+    """A dataset that cannot be used: the message names the file, column or row."""
+
+
+@dataclass(frozen=True)
+class _RowGroup:
+    file: int
+    index: int
+    start: int     # global index of its first row
+    rows: int
+
+
+class ParquetPrompts:
+    """Random access to the rows of one or more parquet files, by global row index."""
+
+    def __init__(self, files: Sequence[str], prompt_key: str = "prompt", cache_row_groups: int = 64):
+        if not files:
+            raise DatasetError("data.train_files is empty")
+        self.files = [str(f) for f in files]
+        self.prompt_key = prompt_key
+        self.columns = [prompt_key, *REQUIRED_COLUMNS]
+        self._groups: list[_RowGroup] = []
+        self._handles: dict[int, pq.ParquetFile] = {}
+        total = 0
+        for fi, path in enumerate(self.files):
+            pf = self._open(fi)
+            names = set(pf.schema_arrow.names)
+            missing = [c for c in self.columns if c not in names]
+            if missing:
+                raise DatasetError(f"{path}: missing column(s) {missing}; it has {sorted(names)} "
+                                   f"(verl layout: {prompt_key}, data_source, reward_model"
+                                   "{ground_truth}, extra_info)")
+            self.optional = [c for c in ("extra_info",) if c in names]
+            for gi in range(pf.metadata.num_row_groups):
+                rows = pf.metadata.row_group(gi).num_rows
+                if rows:
+                    self._groups.append(_RowGroup(fi, gi, total, rows))
+                    total += rows
+        if total == 0:
+            raise DatasetError(f"no rows in {', '.join(self.files)}")
+        self.num_rows = total
+        self._starts = np.array([g.start for g in self._groups])
+        self._cache: OrderedDict[tuple[int, int], list[dict]] = OrderedDict()
+        self._cache_size = cache_row_groups
+        self.row_groups_read = 0   # for tests and logs: how much I/O this worker did
+
+    def _open(self, fi: int) -> pq.ParquetFile:
+        if fi not in self._handles:
+            path = self.files[fi]
+            if not Path(path).is_file():
+                raise DatasetError(f"{path}: no such parquet file")
+            try:
+                self._handles[fi] = pq.ParquetFile(path)
+            except Exception as err:  # pyarrow raises several types for a corrupt file
+                raise DatasetError(f"{path}: not a readable parquet file ({err})") from err
+        return self._handles[fi]
+
+    def __len__(self) -> int:
+        return self.num_rows
+
+    def _group_rows(self, group: _RowGroup) -> list[dict]:
+        key = (group.file, group.index)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        table = self._open(group.file).read_row_group(group.index,
+                                                      columns=self.columns + self.optional)
+        rows = table.to_pylist()
+        self.row_groups_read += 1
+        self._cache[key] = rows
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return rows
+
+    def read(self, indices: Sequence[int]) -> list[dict]:
+        """Rows at the given global indices, in that order; reads only their row groups."""
+        out = []
+        for idx in indices:
+            gpos = int(np.searchsorted(self._starts, idx, side="right")) - 1
+            group = self._groups[gpos]
+            row = dict(self._group_rows(group)[idx - group.start])
+            row["_file"] = self.files[group.file]
+            out.append(row)
+        return out
+
+
+def encode_prompt(tokenizer, messages: Any) -> list[int]:
+    """Token ids of a prompt: the chat template (with the generation prompt) when the tokenizer
+    has one, otherwise the message contents joined by newlines."""
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    text = "\n".join(m["content"] for m in messages)
+    return tokenizer(text, add_special_tokens=True)["input_ids"]
+
+
+class PromptLoader:
+    """Seeded, resumable, epoch-aware batches of prompts; each worker builds its own slice.
+
+    The global order of epoch e is a permutation seeded by (seed, e), the same whatever the
+    number of workers. Step k of the epoch takes positions [k·B, (k+1)·B) of that order and
+    worker r keeps the r-th contiguous 1/W of them, so concatenating the workers' slices in rank
+    order gives exactly the 1-worker batch.
+    """
+
+    def __init__(self, source: ParquetPrompts, tokenizer, *, batch_size: int, rank: int = 0,
+                 world_size: int = 1, seed: int = 0, shuffle: bool = True, tail: str = "drop",
+                 max_prompt_length: int, truncation: str = "error") -> None:
+        if batch_size % world_size:
+            raise ValueError(f"data.train_batch_size ({batch_size}) must be divisible by the "
+                             f"number of workers ({world_size})")
+        if tail not in ("drop", "pad"):
+            raise ValueError(f"data.tail must be 'drop' or 'pad', got {tail!r}")
+        if tail == "drop" and len(source) < batch_size:
+            raise DatasetError(f"the dataset has {len(source)} rows, fewer than one batch of "
+                               f"data.train_batch_size={batch_size} (use data.tail=pad)")
+        self.source, self.tokenizer = source, tokenizer
+        self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
+        self.seed, self.shuffle, self.tail = seed, shuffle, tail
+        self.max_prompt_length, self.truncation = max_prompt_length, truncation
+        self.epoch, self.batch_in_epoch = 0, 0
+
+    # --- order -------------------------------------------------------------------------
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        n = len(self.source)
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, epoch]).permutation(n)
+
+    @property
+    def batches_per_epoch(self) -> int:
+        n = len(self.source)
+        return n // self.batch_size if self.tail == "drop" else -(-n // self.batch_size)
+
+    @property
+    def dropped_per_epoch(self) -> int:
+        return len(self.source) % self.batch_size if self.tail == "drop" else 0
+
+    def _global_batch(self) -> tuple[np.ndarray, int]:
+        """Row indices of the current global batch and the epoch they belong to."""
+        order = self.epoch_order(self.epoch)
+        start = self.batch_in_epoch * self.batch_size
+        rows = order[start:start + self.batch_size]
+        if len(rows) < self.batch_size:   # tail == "pad": borrow from the next epoch's order
+            rows = np.concatenate([rows, self.epoch_order(self.epoch + 1)[:self.batch_size - len(rows)]])
+        return rows, self.epoch
+
+    def next_batch(self) -> Batch:
+        """This worker's slice of the next global batch, tokenized and left-padded."""
+        rows, epoch = self._global_batch()
+        per_rank = self.batch_size // self.world_size
+        mine = rows[self.rank * per_rank:(self.rank + 1) * per_rank]
+        positions = np.arange(self.rank * per_rank, (self.rank + 1) * per_rank)
+        self.batch_in_epoch += 1
+        if self.batch_in_epoch >= self.batches_per_epoch:
+            self.epoch, self.batch_in_epoch = self.epoch + 1, 0
+        return self._build(self.source.read(mine.tolist()), mine, positions, epoch)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed,
+                "batch_size": self.batch_size, "num_rows": len(self.source)}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "batch_size", "num_rows"):
+            if state[key] != self.state_dict()[key]:
+                raise ValueError(f"dataloader state was saved with {key}={state[key]}, but this "
+                                 f"run has {key}={self.state_dict()[key]}")
+        self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
+
+    # --- tokenization ----------------------------------------------------------------------
+    def _build(self, rows: list[dict], row_ids: np.ndarray, positions: np.ndarray,
+               epoch: int) -> Batch:
+        width = self.max_prompt_length
+        pad = self.tokenizer.pad_token_id
+        ids = torch.full((len(rows), width), pad, dtype=torch.long)
+        mask = torch.zeros(len(rows), width, dtype=torch.long)
+        for i, row in enumerate(rows):
+            tokens = self._truncate(encode_prompt(self.tokenizer, row[self.source.prompt_key]), row,
+                                    int(row_ids[i]))
+            if tokens:   # left padding: the last prompt token sits in the last column
+                ids[i, width - len(tokens):] = torch.tensor(tokens)
+                mask[i, width - len(tokens):] = 1
+        reward_model = [r["reward_model"] or {} for r in rows]
+        return Batch(
+            tensors={"prompt_ids": ids, "prompt_mask": mask,
+                     "row_index": torch.as_tensor(row_ids, dtype=torch.long),
+                     # position of the prompt in the global batch: orders results across workers
+                     "batch_position": torch.as_tensor(positions, dtype=torch.long)},
+            non_tensors={
+                "uid": [f"e{epoch}-r{int(r)}" for r in row_ids],
+                "data_source": [r["data_source"] for r in rows],
+                "ground_truth": [rm.get("ground_truth") for rm in reward_model],
+                "extra_info": [r.get("extra_info") for r in rows],
+                "prompt": [r[self.source.prompt_key] for r in rows],
+            },
+            batch_size=len(rows))
+
+    def _truncate(self, tokens: list[int], row: dict, row_id: int) -> list[int]:
+        limit = self.max_prompt_length
+        if len(tokens) <= limit:
+            return tokens
+        if self.truncation == "left":
+            return tokens[-limit:]
+        if self.truncation == "right":
+            return tokens[:limit]
+        raise DatasetError(f"{row['_file']}: row {row_id} has a prompt of {len(tokens)} tokens, "
+                           f"more than data.max_prompt_length={limit} (raise it, or set "
+                           "data.truncation=left|right)")

@@ -1,0 +1,155 @@
+"""Loading Hugging Face causal LMs, and building the tiny models used by tests and the default run.
+
+Every model, tiny or real, is loaded from a local directory by `load_model` / `load_tokenizer`:
+a tiny model is first *written* as an ordinary HF directory (config.json, model.safetensors,
+tokenizer.json), so tests exercise the same loading path as a user's checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel,
+                          PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config)
+
+# The character vocabulary of the tiny models: 4 specials, digits, lowercase letters and
+# `+-*=:?. ` (enough for the arithmetic and string tasks of `dagrl data make`).
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+CHARACTERS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*=:?. ")
+# The chat template only concatenates message contents after BOS: the tiny model has no roles.
+TINY_CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+BUILTIN_PREFIX = "builtin:"
+TINY_FAMILIES = ("tiny-qwen2", "tiny-llama")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer built in code with the `tokenizers` library.
+
+    Each character is one token (a regex pre-tokenizer isolates every character, a word-level
+    model maps it to an id) and decoding fuses tokens back without spaces.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    core.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
+                                  eos_token="<eos>", unk_token="<unk>")
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    return tok
+
+
+def tiny_model_config(family: str, vocab_size: int, hidden_size: int, layers: int,
+                      max_positions: int = 256):
+    """Config of a small randomly initialised Qwen2 or Llama causal LM (GQA, tied embeddings)."""
+    common = dict(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=max_positions, tie_word_embeddings=True,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    if family == "tiny-qwen2":
+        return Qwen2Config(**common)
+    if family == "tiny-llama":
+        return LlamaConfig(**common)
+    raise ValueError(f"unknown tiny model {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
+
+
+def write_tiny_model(out_dir: str | Path, family: str = "tiny-qwen2", *, hidden_size: int = 64,
+                     layers: int = 2, seed: int = 0) -> Path:
+    """Write a seeded tiny model and its character tokenizer as a HF directory; returns it.
+
+    Written into a temporary sibling directory and renamed into place, so a crash never leaves
+    a half-written model that a later run would try to load.
+    """
+    out_dir = Path(out_dir)
+    tokenizer = build_char_tokenizer()
+    config = tiny_model_config(family, len(tokenizer), hidden_size, layers)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def resolve_builtin_model(path: str, out_root: str | Path, *, hidden_size: int, layers: int,
+                          seed: int) -> str:
+    """Turn `builtin:tiny-qwen2` into a written model directory under `out_root`; real paths
+    pass through unchanged."""
+    if not path.startswith(BUILTIN_PREFIX):
+        return path
+    family = path[len(BUILTIN_PREFIX):]
+    if family not in TINY_FAMILIES:
+        raise ValueError(f"model.path: unknown built-in model {path!r}; choose one of "
+                         + ", ".join(BUILTIN_PREFIX + f for f in TINY_FAMILIES))
+    out = Path(out_root) / f"{family}-h{hidden_size}-l{layers}-s{seed}"
+    if not (out / "config.json").exists():
+        write_tiny_model(out, family, hidden_size=hidden_size, layers=layers, seed=seed)
+    return str(out)
+
+
+def _check_model_dir(path: str, gguf_file: str) -> None:
+    p = Path(path)
+    if not p.is_dir():
+        raise FileNotFoundError(f"model.path: {path!r} is not a directory (models are loaded "
+                                "from a local directory; nothing is downloaded)")
+    if gguf_file and not (p / gguf_file).is_file():
+        raise FileNotFoundError(f"model.gguf_file: {gguf_file!r} not found in {path!r}")
+    if not gguf_file and not (p / "config.json").is_file():
+        raise FileNotFoundError(f"model.path: {path!r} has no config.json (for a GGUF "
+                                "checkpoint set model.gguf_file)")
+
+
+def load_tokenizer(path: str, gguf_file: str = "") -> PreTrainedTokenizerBase:
+    """Load the tokenizer of a local model directory; it must have a pad token (or an EOS
+    token to stand in for it, as most chat models do)."""
+    _check_model_dir(path, gguf_file)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tok = AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
+    if tok.pad_token_id is None:
+        if tok.eos_token_id is None:
+            raise ValueError(f"the tokenizer in {path!r} has neither a pad nor an EOS token; "
+                             "add a pad token to it")
+        tok.pad_token = tok.eos_token
+    if tok.eos_token_id is None:
+        raise ValueError(f"the tokenizer in {path!r} has no EOS token: generation could not stop")
+    return tok
+
+
+def load_model(path: str, gguf_file: str = "", dtype: str = "float32",
+               device: torch.device | str = "cpu") -> PreTrainedModel:
+    """Load a HF causal LM from a local directory (safetensors, or a GGUF file inside it)."""
+    _check_model_dir(path, gguf_file)
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=DTYPES[dtype],
+                                                 **kwargs)
+    # Dropout would make log-probs of the same tokens differ between the rollout, old-logprob
+    # and update passes; RL post-training runs with it off.
+    _disable_dropout(model)
+    return model.to(device)
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    for attr in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop"):
+        if hasattr(model.config, attr):
+            setattr(model.config, attr, 0.0)

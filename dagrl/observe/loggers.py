@@ -1,0 +1,74 @@
+"""Where a step's metrics go: a progress bar with a compact console line, and metrics.jsonl.
+
+Only rank 0 creates a RunLogger; the metrics it receives are already reduced over all ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dagrl.config.schema import LoggingConfig
+
+# The metrics shown on the console line, in this order, with their short labels.
+CONSOLE_KEYS = [("reward/mean", "reward"), ("response/length/mean", "len"), ("actor/kl", "kl"),
+                ("actor/entropy", "ent"), ("actor/grad_norm", "gnorm"), ("timing/step_s", "s/step")]
+
+
+class JsonlLogger:
+    """One JSON object per step, with `step`; appended and flushed every step."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        record = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v)
+                                       else v) for k, v in metrics.items()}}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class ConsoleLogger:
+    def __init__(self, total_steps: int, start_step: int, every: int, progress_bar: bool) -> None:
+        self.every = every
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step",
+                        dynamic_ncols=True, file=sys.stderr) if progress_bar else None
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        shown = {label: metrics[key] for key, label in CONSOLE_KEYS if key in metrics}
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
+        if step % self.every == 0 or step == 1:
+            line = f"step {step}: " + "  ".join(f"{k}={v:.4g}" for k, v in shown.items())
+            (self.bar.write if self.bar is not None else print)(line)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class RunLogger:
+    def __init__(self, cfg: LoggingConfig, run_dir: Path, total_steps: int, start_step: int = 0):
+        self.backends = []
+        if "console" in cfg.backends:
+            self.backends.append(ConsoleLogger(total_steps, start_step, cfg.console_every,
+                                               cfg.progress_bar))
+        if "jsonl" in cfg.backends:
+            self.backends.append(JsonlLogger(run_dir / "metrics.jsonl"))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for backend in self.backends:
+            backend.log(step, metrics)
+
+    def close(self) -> None:
+        for backend in self.backends:
+            backend.close()

@@ -1,0 +1,83 @@
+"""Load a user reward function from ``"path/to/file.py:name"`` or ``"package.module:name"``.
+
+User functions follow verl's signature::
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
+
+so reward files written for verl work unchanged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+
+def _is_file_spec(target: str) -> bool:
+    return target.endswith(".py") or "/" in target or "\\" in target
+
+
+def _load_file(spec: str, target: str) -> ModuleType:
+    path = Path(target).expanduser().resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"reward function {spec!r}: file {str(path)!r} does not exist")
+    # A name unique per absolute path: two different reward.py files must not share a module.
+    digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
+    module_name = f"dagrl_user_reward_{path.stem}_{digest}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    if module_spec is None or module_spec.loader is None:
+        raise ImportError(f"reward function {spec!r}: cannot import {str(path)!r} as Python")
+    module = importlib.util.module_from_spec(module_spec)
+    # Registered before exec so dataclasses / pickling inside the user file can find it.
+    sys.modules[module_name] = module
+    try:
+        module_spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
+
+
+def load_function(spec: str) -> Callable:
+    """Import and return the callable named by ``spec``.
+
+    ``spec`` is ``"file.py:function"`` (path absolute or relative to the current directory)
+    or ``"package.module:function"``.
+    """
+    target, sep, name = spec.rpartition(":")
+    if not sep or not target or not name:
+        raise ValueError(
+            f"reward function spec {spec!r} must look like 'path/to/file.py:function_name' "
+            "or 'package.module:function_name'"
+        )
+    if _is_file_spec(target):
+        module = _load_file(spec, target)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as exc:
+            raise ModuleNotFoundError(
+                f"reward function {spec!r}: module {target!r} not found ({exc})"
+            ) from exc
+    if not hasattr(module, name):
+        available = sorted(
+            attr for attr, value in vars(module).items()
+            if callable(value) and not attr.startswith("_")
+        )
+        raise AttributeError(
+            f"reward function {spec!r}: {target!r} has no attribute {name!r}. "
+            f"Callables there: {', '.join(available) or '(none)'}"
+        )
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise TypeError(
+            f"reward function {spec!r}: {name!r} is a {type(fn).__name__}, not a callable"
+        )
+    return fn

@@ -1,0 +1,57 @@
+"""Train: `dagrl train [CONFIG.yaml] [key=value ...]`, or `python -m dagrl.train ...`.
+
+    dagrl train                                  # GRPO on the built-in arithmetic task
+    dagrl train examples/grpo_arith.yaml actor.lr=1e-3 trainer.total_steps=100
+    dagrl train --print-config rollout.n=4       # show the resolved config and exit
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from dagrl.config.loader import ConfigError, dump_yaml, load_config
+from dagrl.config.schema import Config
+
+
+def split_config_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
+    """The optional leading YAML path, and the `key=value` overrides."""
+    path = None
+    rest = list(args)
+    if rest and "=" not in rest[0]:
+        path = rest.pop(0)
+    bad = [a for a in rest if "=" not in a]
+    if bad:
+        raise ConfigError(f"expected key=value overrides after the config file, got {bad}")
+    return path, rest
+
+
+def load_cli_config(args: Sequence[str]) -> Config:
+    path, overrides = split_config_args(args)
+    return load_config(Config, path, overrides)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dagrl train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--print-config", action="store_true",
+                        help="print the resolved config and exit")
+    parser.add_argument("args", nargs="*", help="[CONFIG.yaml] [key=value ...]")
+    ns = parser.parse_args(argv)
+    try:
+        cfg = load_cli_config(ns.args)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    if ns.print_config:
+        print(dump_yaml(cfg), end="")
+        return 0
+    from dagrl.runtime.launch import launch
+
+    launch(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
