@@ -1,0 +1,124 @@
+"""Graph validation, YAML graphs, user roles and the planner."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from dagrl.config.schema import Config
+from dagrl.dag.builtin import grpo_graph
+from dagrl.dag.planner import format_plan, make_plan
+from dagrl.dag.roles import ROLES, import_user_modules, load_builtin_roles
+from dagrl.dag.spec import GraphError, GraphSpec, NodeSpec, graph_from_dict, load_graph_yaml, validate_graph
+
+ROLES_ = load_builtin_roles()
+
+
+def write(tmp_path, text, name="g.yaml"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def test_grpo_graph_order_and_plan():
+    graph = grpo_graph(Config())
+    order = validate_graph(graph, ROLES_)
+    assert order == ["rollout", "reward", "old_logprob", "ref_logprob", "advantage", "actor_update"]
+    plans = make_plan(graph, order, world_size=1)
+    assert [t.node_id for t in plans[0].tasks] == order
+    assert all(t.kind == "node" for t in plans[0].tasks)
+
+
+def test_grpo_without_kl_has_no_reference():
+    cfg = Config()
+    cfg.algorithm.kl_loss_coef = 0.0
+    assert "ref_logprob" not in grpo_graph(cfg).roles
+
+
+def test_yaml_cycle_names_the_nodes(tmp_path):
+    path = write(tmp_path, """
+        name: loop
+        nodes:
+          - {id: gen, role: rollout, deps: [upd]}
+          - {id: score, role: reward, deps: [gen]}
+          - {id: upd, role: actor_update, deps: [score]}
+          - {id: other, role: advantage}
+    """)
+    with pytest.raises(GraphError) as err:
+        validate_graph(load_graph_yaml(path), ROLES_)
+    msg = str(err.value)
+    assert "cycle" in msg
+    for node in ("gen", "score", "upd"):
+        assert node in msg
+    assert "other" not in msg   # not on the cycle
+
+
+def test_yaml_unknown_dependency(tmp_path):
+    path = write(tmp_path, """
+        nodes:
+          - {id: gen, role: rollout}
+          - {id: score, role: reward, deps: [gen, judge]}
+    """)
+    with pytest.raises(GraphError, match=r"node 'score' depends on unknown node\(s\) \['judge'\]"):
+        validate_graph(load_graph_yaml(path), ROLES_)
+
+
+def test_yaml_unknown_role_suggests(tmp_path):
+    path = write(tmp_path, """
+        nodes:
+          - {id: gen, role: rolout}
+    """)
+    with pytest.raises(GraphError) as err:
+        validate_graph(load_graph_yaml(path), ROLES_)
+    assert "'gen'" in str(err.value) and "'rolout'" in str(err.value)
+    assert "rollout" in str(err.value)
+
+
+def test_duplicate_ids_and_bad_keys():
+    graph = GraphSpec("g", (NodeSpec("a", "rollout"), NodeSpec("a", "reward")))
+    with pytest.raises(GraphError, match=r"duplicate node id\(s\) \['a'\]"):
+        validate_graph(graph, ROLES_)
+    with pytest.raises(GraphError, match="node 'a' has unknown key"):
+        graph_from_dict({"nodes": [{"id": "a", "role": "rollout", "dep": ["b"]}]})
+    with pytest.raises(GraphError, match="no nodes"):
+        validate_graph(GraphSpec("empty", ()), ROLES_)
+
+
+def test_user_role_from_file(tmp_path):
+    module = write(tmp_path, """
+        from dagrl import register_role
+
+        @register_role("test_noop_role")
+        def noop(ctx, batch):
+            return batch
+    """, name="my_roles.py")
+    import_user_modules([str(module)])
+    assert "test_noop_role" in ROLES
+    graph = graph_from_dict({"nodes": [{"id": "x", "role": "test_noop_role"}]})
+    assert validate_graph(graph, ROLES) == ["x"]
+
+
+def test_planner_reshards_around_subset_node():
+    graph = graph_from_dict({"nodes": [
+        {"id": "gen", "role": "rollout"},
+        {"id": "rm", "role": "reward", "deps": ["gen"], "options": {"ranks": [0, 1]}},
+        {"id": "adv", "role": "advantage", "deps": ["rm"]},
+    ]})
+    order = validate_graph(graph, ROLES_)
+    plans = make_plan(graph, order, world_size=4)
+    kinds = [(t.kind, t.node_id) for t in plans[0].tasks]
+    assert kinds == [("node", "gen"), ("reshard", "rm"), ("node", "rm"), ("reshard", "adv"),
+                     ("node", "adv")]
+    # rank 3 does not host the reward model but takes part in both reshards
+    assert [(t.kind, t.node_id) for t in plans[3].tasks] == [
+        ("node", "gen"), ("reshard", "rm"), ("reshard", "adv"), ("node", "adv")]
+    assert plans[0].tasks[1].src == (0, 1, 2, 3) and plans[0].tasks[1].dst == (0, 1)
+    text = format_plan(graph, order, plans)
+    assert "rank 3:" in text and "reshard ranks 0,1,2,3 -> ranks 0,1" in text
+
+
+def test_planner_rejects_bad_ranks():
+    graph = graph_from_dict({"nodes": [{"id": "gen", "role": "rollout", "options": {"ranks": [5]}}]})
+    with pytest.raises(GraphError, match="node 'gen': options.ranks"):
+        make_plan(graph, ["gen"], world_size=2)
