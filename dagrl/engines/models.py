@@ -13,6 +13,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from transformers.utils import logging as hf_logging
 from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel,
                           PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config)
 
@@ -72,6 +73,7 @@ def write_tiny_model(out_dir: str | Path, family: str = "tiny-qwen2", *, hidden_
     out_dir = Path(out_dir)
     tokenizer = build_char_tokenizer()
     config = tiny_model_config(family, len(tokenizer), hidden_size, layers)
+    hf_logging.disable_progress_bar()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
@@ -138,6 +140,7 @@ def load_model(path: str, gguf_file: str = "", dtype: str = "float32",
     """Load a HF causal LM from a local directory (safetensors, or a GGUF file inside it)."""
     _check_model_dir(path, gguf_file)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    hf_logging.disable_progress_bar()   # one bar per model load is noise in a training log
     model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=DTYPES[dtype],
                                                  **kwargs)
     # Dropout would make log-probs of the same tokens differ between the rollout, old-logprob
