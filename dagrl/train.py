@@ -3,6 +3,8 @@
     dagrl train                                  # GRPO on the built-in arithmetic task
     dagrl train examples/grpo_arith.yaml actor.lr=1e-3 trainer.total_steps=100
     dagrl train --print-config rollout.n=4       # show the resolved config and exit
+    dagrl train trainer.n_workers=2              # two workers, started as Ray actors
+    torchrun --nproc-per-node 2 -m dagrl.train trainer.n_workers=2   # the same, without Ray
 """
 
 from __future__ import annotations
@@ -47,9 +49,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.print_config:
         print(dump_yaml(cfg), end="")
         return 0
-    from dagrl.runtime.launch import launch
+    from dagrl.runtime.distributed import env_world
+    from dagrl.runtime.launch import launch, run_worker_from_env
 
-    launch(cfg)
+    if env_world() is not None:   # started by torchrun: this process is one worker
+        run_worker_from_env(cfg)
+    else:
+        launch(cfg)
     return 0
 
 

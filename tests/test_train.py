@@ -55,11 +55,10 @@ def test_generator_follows_the_actor(tmp_path):
 
     cfg = prepare_run(load_config(Config, None, [f"trainer.run_dir={tmp_path / 'w'}", *FAST,
                                                  "trainer.total_steps=2"]))
-    worker = Worker(cfg, tmp_path / "w")
+    worker = Worker(cfg)
     worker.train()
     actor, gen = worker.engines.actor, worker.engines.generator
-    assert actor.version == 2 and gen.weights_version == 1   # synced before step 2's rollout
-    worker.engines.sync_rollout_weights()
+    assert actor.version == 2 and gen.weights_version == 2   # synced after every update
     for (name, p), (_, q) in zip(actor.model.named_parameters(), gen.model.named_parameters()):
         assert torch.equal(p, q), name
 

@@ -2,9 +2,10 @@
 
 Every rank runs the same loop over its own list (SPMD). A node task runs a role on this rank's
 shard; a reshard task moves samples between ranks when consecutive nodes are placed on
-different sets of ranks (a node's `ranks` option; default: all ranks). Reshards are
-collective, so they appear in every rank's list; a node task only in the lists of the ranks
-that host the node.
+different sets of ranks (a node's `ranks` option; default: all ranks); a balance task, before
+a training node on several ranks, re-assigns whole groups so that ranks hold similar token
+counts. Reshard and balance tasks are collective, so they appear in every rank's list; a node
+task only in the lists of the ranks that host the node.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from dagrl.dag.spec import GraphError, GraphSpec, NodeSpec
 
 @dataclass(frozen=True)
 class Task:
-    kind: str                      # "node" | "reshard"
+    kind: str                      # "node" | "reshard" | "balance"
     node_id: str = ""
     role: str = ""
     src: tuple[int, ...] = ()      # reshard: ranks holding the data before
@@ -25,6 +26,8 @@ class Task:
     def describe(self) -> str:
         if self.kind == "node":
             return f"run {self.node_id} [{self.role}]"
+        if self.kind == "balance":
+            return f"balance tokens over {_ranks(self.dst)} (before {self.node_id})"
         return f"reshard {_ranks(self.src)} -> {_ranks(self.dst)} (before {self.node_id})"
 
 
@@ -51,8 +54,10 @@ def node_ranks(node: NodeSpec, world_size: int) -> tuple[int, ...]:
     return tuple(sorted(ranks))
 
 
-def make_plan(graph: GraphSpec, order: list[str], world_size: int) -> list[RankPlan]:
-    """One RankPlan per rank for the nodes in `order` (from `validate_graph`)."""
+def make_plan(graph: GraphSpec, order: list[str], world_size: int,
+              balance_roles: frozenset[str] = frozenset()) -> list[RankPlan]:
+    """One RankPlan per rank for the nodes in `order` (from `validate_graph`); nodes whose
+    role is in `balance_roles` (the training roles) get a balance task when on several ranks."""
     everyone = tuple(range(world_size))
     layout = everyone                      # the prompts start spread over all ranks
     tasks: list[Task] = []
@@ -62,7 +67,10 @@ def make_plan(graph: GraphSpec, order: list[str], world_size: int) -> list[RankP
         if ranks != layout:
             tasks.append(Task("reshard", node_id, node.role, src=layout, dst=ranks))
             layout = ranks
+        if node.role in balance_roles and len(ranks) > 1:
+            tasks.append(Task("balance", node_id, node.role, src=ranks, dst=ranks))
         tasks.append(Task("node", node_id, node.role, dst=ranks))
+    # Reshards involve every rank; nodes and balances only the ranks of their layout.
     return [RankPlan(r, tuple(t for t in tasks if t.kind == "reshard" or r in t.dst))
             for r in everyone]
 

@@ -114,8 +114,9 @@ class ActorEngine:
         self.scheduler.step()
         self.version += 1
         metrics.add_sum("actor/pg_loss", pg_total)   # shares of the global mean: sum over ranks
-        metrics.add_mean("actor/grad_norm", grad_norm, 1.0 / self.dp_size)
-        metrics.add_mean("actor/lr", self.scheduler.get_last_lr()[0], 1.0 / self.dp_size)
+        # The same value on every rank: a mean over ranks (and over this step's mini-batches).
+        metrics.add_mean("actor/grad_norm", grad_norm, 1.0)
+        metrics.add_mean("actor/lr", self.scheduler.get_last_lr()[0], 1.0)
         metrics.add_sum("actor/optimizer_steps", 1.0 / self.dp_size)
 
     def _clip_grad_norm(self) -> float:

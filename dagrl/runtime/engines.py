@@ -1,7 +1,9 @@
 """The models and services one worker hosts, built only for the roles its plan runs.
 
-Actor, rollout generator and reference share the worker's device; the generator's weights are
-refreshed from the actor when the actor has changed since the last sync.
+Actor and reference are FSDP2-sharded over all workers; the rollout generator is a full,
+unsharded copy on each worker (generation needs every weight at every step). After each actor
+update every worker takes part in gathering the full weights, and the ones that generate copy
+them into their generator, parameter by parameter, so no second full copy is held.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dagrl.config.schema import Config
 from dagrl.engines.actor import ActorEngine
 from dagrl.engines.generator import Generator
 from dagrl.engines.models import load_model, load_tokenizer
+from dagrl.engines.sharding import shard_model
 from dagrl.rewards.manager import RewardManager
 
 
@@ -28,40 +31,45 @@ class Engines:
     ref_model: torch.nn.Module | None = None
     reward_manager: RewardManager | None = None
     log: Callable[[str], None] = field(default=print)
+    synced_version: int = 0   # the actor version the generators hold (the same on every rank)
 
     def sync_rollout_weights(self) -> float:
-        """Copy the actor's weights into the generator if they changed; returns seconds spent."""
-        if self.generator is None or self.actor is None:
-            return 0.0
-        if self.generator.weights_version == self.actor.version:
+        """After an update: gather the actor's full weights (collective over the actor's ranks)
+        and load them into this worker's generator. Returns the seconds spent."""
+        if self.actor is None or self.synced_version == self.actor.version:
             return 0.0
         start = time.perf_counter()
-        self.generator.load_weights(self.actor.full_weights(), self.actor.version)
+        weights = self.actor.full_weights()
+        if self.generator is not None:
+            self.generator.load_weights(weights, self.actor.version)
+        else:
+            for _ in weights:   # still take part in every all-gather
+                pass
+        self.synced_version = self.actor.version
         return time.perf_counter() - start
 
 
 def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
-                  dp_group: dist.ProcessGroup | None = None,
-                  log: Callable[[str], None] = print) -> Engines:
+                  world_size: int = 1, log: Callable[[str], None] = print) -> Engines:
     """Build the engines in `needed` (names from dagrl.dag.roles.ENGINES)."""
     m = cfg.model
     tokenizer = load_tokenizer(m.path, m.gguf_file)
     engines = Engines(tokenizer=tokenizer, log=log)
     if "actor" in needed:
-        actor_model = load_model(m.path, m.gguf_file, m.dtype, device)
+        actor_model = shard_model(load_model(m.path, m.gguf_file, m.dtype, device), world_size,
+                                  device.type)
         engines.actor = ActorEngine(actor_model, cfg.actor, cfg.algorithm,
                                     temperature=cfg.rollout.temperature,
-                                    samples_per_prompt=cfg.rollout.n, dp_group=dp_group)
+                                    samples_per_prompt=cfg.rollout.n,
+                                    dp_group=dist.group.WORLD if world_size > 1 else None)
     if "rollout" in needed:
+        # Starts from the same checkpoint as the actor: nothing to sync before the first update.
         engines.generator = Generator(load_model(m.path, m.gguf_file, m.dtype, device),
                                       eos_token_id=tokenizer.eos_token_id,
                                       pad_token_id=tokenizer.pad_token_id)
-        if engines.actor is not None:
-            # Both start from the same checkpoint: nothing to sync before the first update.
-            engines.generator.weights_version = engines.actor.version
     if "ref" in needed:
-        engines.ref_model = load_model(m.path, m.gguf_file, m.dtype, device).eval()
-        engines.ref_model.requires_grad_(False)
+        ref = load_model(m.path, m.gguf_file, m.dtype, device).eval().requires_grad_(False)
+        engines.ref_model = shard_model(ref, world_size, device.type)
     if "reward" in needed:
         r = cfg.reward
         engines.reward_manager = RewardManager(on_error=r.on_error, custom_fn=r.custom_fn,

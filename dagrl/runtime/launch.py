@@ -2,7 +2,12 @@
 
 `prepare_run` resolves the run directory, writes the resolved config there and materialises
 built-in artefacts (`builtin:` models and datasets) as ordinary files, so workers only ever
-load from disk. `launch` starts the workers: in this process for one worker.
+load from disk. It runs on rank 0, which then hands the resolved config to the other ranks.
+
+Three ways to start the same workers:
+  trainer.n_workers=1   in this process, no process group;
+  trainer.n_workers=N   N Ray actors in a placement group (runtime/ray_launcher.py);
+  torchrun ... -m dagrl.train   one worker per torchrun process (`run_worker_from_env`).
 """
 
 from __future__ import annotations
@@ -57,11 +62,34 @@ def prepare_run(cfg: Config) -> Config:
     return resolved
 
 
-def launch(cfg: Config) -> list[dict[str, float]]:
-    """Prepare the run and train. Returns rank 0's per-step metrics."""
-    cfg = prepare_run(cfg)
-    if cfg.trainer.n_workers != 1:
-        raise ValueError("trainer.n_workers > 1 needs the multi-worker launcher")
+def run_worker_from_env(cfg: Config) -> list[dict[str, float]]:
+    """The body of every distributed worker process (torchrun or a Ray actor): join the group,
+    let rank 0 prepare the run, train. Returns the per-step metrics (the same on every rank)."""
+    from dagrl.runtime.distributed import init_distributed, shutdown
     from dagrl.runtime.worker import Worker
 
-    return Worker(cfg, Path(cfg.trainer.run_dir)).train()
+    ctx = init_distributed(cfg.trainer.device)
+    try:
+        if ctx.world_size != cfg.trainer.n_workers:
+            # The launcher's world size wins (torchrun --nproc-per-node); re-check the config.
+            from dagrl.config.loader import from_dict, to_dict
+
+            data = to_dict(cfg)
+            data["trainer"]["n_workers"] = ctx.world_size
+            cfg = from_dict(Config, data)
+        resolved = prepare_run(cfg) if ctx.rank == 0 else None
+        resolved = ctx.broadcast_object(resolved)
+        return Worker(resolved, ctx).train()
+    finally:
+        shutdown()
+
+
+def launch(cfg: Config) -> list[dict[str, float]]:
+    """Start the configured number of workers and train. Returns the per-step metrics."""
+    if cfg.trainer.n_workers > 1:
+        from dagrl.runtime.ray_launcher import launch_ray
+
+        return launch_ray(cfg)
+    from dagrl.runtime.worker import Worker
+
+    return Worker(prepare_run(cfg)).train()

@@ -44,8 +44,6 @@ class NodeContext:
 @register_role("rollout", engines=("rollout", "actor"))
 def rollout(ctx: NodeContext, batch: Batch) -> Batch:
     cfg = ctx.config.rollout
-    sync_s = ctx.engines.sync_rollout_weights()
-    ctx.metrics.add_max("timing/weight_sync_s", sync_s)
     n_prompts = len(batch)
     batch = batch.repeat_interleave(cfg.n)
     sample_index = torch.arange(cfg.n).repeat(n_prompts)
@@ -143,4 +141,6 @@ def advantage(ctx: NodeContext, batch: Batch) -> Batch:
 @register_role("actor_update", engines=("actor",), trains=True)
 def actor_update(ctx: NodeContext, batch: Batch) -> Batch:
     ctx.engines.actor.update(batch, ctx.metrics)
+    # New weights go to the rollout generator now, while every actor rank is here to gather.
+    ctx.metrics.add_max("timing/weight_sync_s", ctx.engines.sync_rollout_weights())
     return batch

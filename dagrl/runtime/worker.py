@@ -4,10 +4,13 @@
         batch = this rank's slice of the step's prompts (read from parquet by this rank)
         for task in this rank's plan:
             node task    -> batch = role(ctx, batch)          (timed: timing/<node>_s)
+            reshard      -> samples move to the next node's ranks (all_to_all, no coordinator)
+            balance      -> whole groups move so ranks hold similar token counts
         metrics = reduce(this rank's statistics) over all ranks
         rank 0 logs them
 
-There is no coordinator: the launcher only starts workers and waits for them.
+The launcher (in-process, Ray or torchrun) only starts workers and waits for them; rank 0
+prepares the run directory and tells the others the resolved config.
 """
 
 from __future__ import annotations
@@ -17,17 +20,17 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from dagrl.config.schema import Config
 from dagrl.dag.builtin import BUILTIN_GRAPHS
 from dagrl.dag.planner import RankPlan, make_plan
 from dagrl.dag.roles import import_user_modules, load_builtin_roles
 from dagrl.dag.spec import GraphSpec, load_graph_yaml, validate_graph
+from dagrl.data.buffer import balance, reshard
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
 from dagrl.observe.loggers import RunLogger
 from dagrl.observe.metrics import StepMetrics
-from dagrl.runtime.device import device_type, worker_device
+from dagrl.runtime.distributed import DistContext, create_layout_groups
 from dagrl.runtime.engines import build_engines
 from dagrl.runtime.nodes import NodeContext
 
@@ -47,35 +50,41 @@ def plan_for(cfg: Config, world_size: int) -> tuple[GraphSpec, list[str], list[R
     roles = load_builtin_roles()
     graph = build_graph(cfg)
     order = validate_graph(graph, roles)
-    return graph, order, make_plan(graph, order, world_size)
+    trains = frozenset(name for name in roles if roles.get(name).trains)
+    return graph, order, make_plan(graph, order, world_size, trains)
 
 
 class Worker:
-    def __init__(self, cfg: Config, run_dir: Path, *, rank: int = 0, world_size: int = 1,
-                 local_rank: int = 0) -> None:
-        self.cfg, self.run_dir = cfg, Path(run_dir)
-        self.rank, self.world_size = rank, world_size
+    """One rank's worker. `cfg` must be resolved (see launch.prepare_run); `dist_ctx` says which
+    rank this is (default: a single worker)."""
+
+    def __init__(self, cfg: Config, dist_ctx: DistContext | None = None) -> None:
+        self.dist = dist_ctx or DistContext()
+        self.cfg, self.run_dir = cfg, Path(cfg.trainer.run_dir)
+        self.rank, self.world_size = self.dist.rank, self.dist.world_size
         if cfg.trainer.torch_threads:
             torch.set_num_threads(cfg.trainer.torch_threads)
         torch.manual_seed(cfg.trainer.seed)
-        self.device = worker_device(device_type(cfg.trainer.device), local_rank)
-        self.graph, self.order, plans = plan_for(cfg, world_size)
-        self.plan = plans[rank]
-        roles = load_builtin_roles()
-        needed = {e for t in self.plan.tasks if t.kind == "node" for e in roles.get(t.role).engines}
-        self.roles = roles
-        self.engines = build_engines(cfg, needed, self.device, log=self.log)
+        self.device = self.dist.device
+        self.graph, self.order, plans = plan_for(cfg, self.world_size)
+        create_layout_groups(self.dist, plans)
+        self.plan = plans[self.rank]
+        self.roles = load_builtin_roles()
+        needed = {e for t in self.plan.tasks if t.kind == "node"
+                  for e in self.roles.get(t.role).engines}
+        self.engines = build_engines(cfg, needed, self.device, world_size=self.world_size,
+                                     log=self.log)
         d = cfg.data
         self.loader = PromptLoader(
             ParquetPrompts(d.train_files, d.prompt_key), self.engines.tokenizer,
-            batch_size=d.train_batch_size, rank=rank, world_size=world_size,
+            batch_size=d.train_batch_size, rank=self.rank, world_size=self.world_size,
             seed=cfg.trainer.seed, shuffle=d.shuffle, tail=d.tail,
             max_prompt_length=d.max_prompt_length, truncation=d.truncation)
         if self.loader.dropped_per_epoch:
             self.log(f"data: {self.loader.dropped_per_epoch} prompt(s) per epoch do not fill a "
                      f"batch of {d.train_batch_size} and are dropped (data.tail=drop)")
         self.logger = (RunLogger(cfg.logging, self.run_dir, cfg.trainer.total_steps)
-                       if rank == 0 else None)
+                       if self.rank == 0 else None)
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -87,21 +96,26 @@ class Worker:
         step_start = time.perf_counter()
         batch = self.loader.next_batch().to(self.device)
         for task in self.plan.tasks:
-            if task.kind != "node":
-                raise NotImplementedError(f"task kind {task.kind!r} needs the multi-worker "
-                                          "runtime")
-            node = self.graph.node(task.node_id)
-            ctx = NodeContext(self.cfg, node, step, self.rank, self.world_size, self.engines,
-                              metrics)
             start = time.perf_counter()
-            batch = self.roles.get(task.role).fn(ctx, batch)
-            metrics.add_max(f"timing/{task.node_id}_s", time.perf_counter() - start)
+            batch = self.run_task(task, batch, step, metrics)
+            name = task.node_id if task.kind == "node" else f"{task.kind}_{task.node_id}"
+            metrics.add_max(f"timing/{name}_s", time.perf_counter() - start)
         step_s = time.perf_counter() - step_start
         metrics.add_max("timing/step_s", step_s)
-        result = metrics.reduce(dist.group.WORLD if dist.is_initialized() else None)
+        result = metrics.reduce(self.dist.cpu_group if self.dist.distributed else None)
         if "tokens/total" in result:
             result["throughput/tokens_per_s"] = result["tokens/total"] / result["timing/step_s"]
         return result
+
+    def run_task(self, task, batch, step: int, metrics: StepMetrics):
+        if task.kind == "reshard":
+            return reshard(batch, task.src, task.dst, device=self.device)
+        if task.kind == "balance":
+            group = self.dist.group_for(task.dst)
+            return balance(batch, tuple(range(len(task.dst))), group, device=self.device)
+        ctx = NodeContext(self.cfg, self.graph.node(task.node_id), step, self.rank,
+                          self.world_size, self.engines, metrics)
+        return self.roles.get(task.role).fn(ctx, batch)
 
     def train(self) -> list[dict[str, float]]:
         history = []

@@ -1,0 +1,32 @@
+"""FSDP2 sharding of a HF causal LM over the data-parallel ranks.
+
+Each decoder layer is its own FSDP unit (its parameters are all-gathered just before it runs
+and freed after), and the root module holds the rest (embeddings, final norm, LM head; tied
+embeddings share one parameter there). Gradients are reduce-scattered and *averaged* over the
+ranks, which the actor's loss scaling accounts for.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated transformer blocks of a HF model (LlamaDecoderLayer, Qwen2DecoderLayer, ...)."""
+    layers = [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+    if not layers:
+        raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
+    return layers
+
+
+def shard_model(model: torch.nn.Module, world_size: int, device_type: str) -> torch.nn.Module:
+    """Shard `model` in place over all `world_size` ranks (a no-op for one rank)."""
+    if world_size == 1:
+        return model
+    mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model

@@ -1,0 +1,97 @@
+"""Process-group setup for one worker: the world group, a CPU group, and one group per layout.
+
+Whatever started the worker (Ray, torchrun, a test) provides RANK / WORLD_SIZE / LOCAL_RANK /
+MASTER_ADDR / MASTER_PORT in the environment; this module joins the group with the backend the
+device needs. Groups for DAG nodes placed on a subset of ranks are created up front from the
+plan, in plan order, because `new_group` is itself collective.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from dagrl.dag.planner import RankPlan
+from dagrl.runtime.device import collective_backend, device_type, worker_device
+
+
+@dataclass
+class DistContext:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # Metrics and small Python objects always travel over gloo on the CPU.
+    cpu_group: dist.ProcessGroup | None = None
+    layout_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def group_for(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
+        """The process group of a layout (None = the world group)."""
+        if len(ranks) == self.world_size:
+            return None
+        return self.layout_groups[ranks]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier(group=self.cpu_group)
+
+    def broadcast_object(self, obj, src: int = 0):
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src, group=self.cpu_group)
+        return box[0]
+
+
+def env_world() -> tuple[int, int, int] | None:
+    """(rank, world_size, local_rank) from the launcher's environment, or None when absent."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return rank, world, int(os.environ.get("LOCAL_RANK", rank))
+
+
+def init_distributed(device_pref: str, timeout_s: float = 1800.0) -> DistContext:
+    """Join the process group described by the environment (a single process without one)."""
+    kind = device_type(device_pref)
+    found = env_world()
+    if found is None or found[1] == 1:
+        return DistContext(device=worker_device(kind, 0))
+    rank, world, local_rank = found
+    device = worker_device(kind, local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(collective_backend(kind), rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s),
+                                device_id=device if kind != "cpu" else None)
+    cpu_group = dist.new_group(backend="gloo") if kind != "cpu" else None
+    return DistContext(rank, world, local_rank, device, cpu_group)
+
+
+def create_layout_groups(ctx: DistContext, plans: list[RankPlan]) -> None:
+    """One process group per distinct subset layout in the plan (collective: all ranks call)."""
+    if not ctx.distributed:
+        return
+    layouts = []
+    for task in plans[0].tasks:   # every rank's list has the same reshard tasks, in order
+        for ranks in (task.src, task.dst):
+            if ranks and len(ranks) < ctx.world_size and ranks not in layouts:
+                layouts.append(ranks)
+    for plan in plans:
+        for task in plan.tasks:
+            if task.kind == "node" and len(task.dst) < ctx.world_size and task.dst not in layouts:
+                layouts.append(task.dst)
+    for ranks in layouts:
+        ctx.layout_groups[ranks] = dist.new_group(list(ranks))
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,86 @@
+"""Start N workers as Ray actors, one per placement-group bundle (one device each).
+
+The driver holds no sample data: it reserves the bundles, starts the actors, tells them where
+rank 0 listens, and waits. If a worker fails, its error is raised here and the others are
+stopped. `RAY_ADDRESS` set: join that cluster; otherwise start a local Ray instance.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+from dagrl.config.loader import to_dict
+from dagrl.config.schema import Config
+from dagrl.runtime.device import device_type
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process raised or died; the message carries its rank and error."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class _RayWorker:
+    """The actor: environment for torch.distributed, then the common worker body."""
+
+    def address(self) -> tuple[str, int]:
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def run(self, cfg_dict: dict, rank: int, world: int, master: tuple[str, int]) -> list[dict]:
+        from dagrl.config.loader import from_dict
+        from dagrl.runtime.launch import run_worker_from_env
+
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0",
+                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+        return run_worker_from_env(from_dict(Config, cfg_dict))
+
+
+def launch_ray(cfg: Config) -> list[dict[str, float]]:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    n = cfg.trainer.n_workers
+    kind = device_type(cfg.trainer.device)
+    started_here = not ray.is_initialized()
+    if started_here:
+        if os.environ.get("RAY_ADDRESS"):
+            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
+        else:
+            # A local instance: CPU workers may outnumber the cores (each is one process).
+            ray.init(num_cpus=max(n, os.cpu_count() or 1), include_dashboard=False,
+                     log_to_driver=True)
+    bundle = {"CPU": 1} if kind == "cpu" else {"CPU": 1, "GPU": 1}
+    pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+    ray.get(pg.ready())
+    actor_cls = ray.remote(_RayWorker)
+    actors = [actor_cls.options(
+        num_cpus=1, num_gpus=bundle.get("GPU", 0),
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=i)).remote() for i in range(n)]
+    try:
+        master = ray.get(actors[0].address.remote())
+        cfg_dict = to_dict(cfg)
+        pending = {actors[r].run.remote(cfg_dict, r, n, master): r for r in range(n)}
+        results: dict[int, list] = {}
+        while pending:
+            done, _ = ray.wait(list(pending), num_returns=1)
+            rank = pending.pop(done[0])
+            try:
+                results[rank] = ray.get(done[0])
+            except Exception as err:  # RayTaskError / RayActorError carry the remote traceback
+                raise WorkerFailed(f"worker rank {rank} failed: {err}") from err
+        return results[0]
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+        remove_placement_group(pg)
+        if started_here:
+            ray.shutdown()
