@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 
 from dagrl.config.loader import to_dict
 from dagrl.config.schema import Config
@@ -78,9 +79,13 @@ def launch_ray(cfg: Config) -> list[dict[str, float]]:
             except Exception as err:  # RayTaskError / RayActorError carry the remote traceback
                 raise WorkerFailed(f"worker rank {rank} failed: {err}") from err
         return results[0]
-    finally:
-        for actor in actors:
+    except BaseException:
+        for actor in actors:   # stop the other workers: they would wait forever on the failed one
             ray.kill(actor)
+        raise
+    finally:
         remove_placement_group(pg)
         if started_here:
+            # Let Ray's log monitor forward the workers' last lines before it stops.
+            time.sleep(1.0)
             ray.shutdown()
