@@ -3,6 +3,7 @@
     dagrl train [CONFIG] [key=value ...] [--print-config]
     dagrl plan  [CONFIG] [key=value ...]        # the graph and each rank's task list
     dagrl data make arith --out DIR [--seed S]  # the default task as verl-layout parquet
+    dagrl bench dataplane [--workers 2,4,8] ... # our reshard vs a single-controller emulation
 """
 
 from __future__ import annotations
@@ -53,6 +54,18 @@ def data_main(argv: Sequence[str]) -> int:
     return 0
 
 
+BENCHMARKS = {"dataplane": "dagrl.bench.dataplane"}
+
+
+def bench_main(argv: Sequence[str]) -> int:
+    if not argv or argv[0] not in BENCHMARKS:
+        print(f"usage: dagrl bench {{{','.join(BENCHMARKS)}}} [options]", file=sys.stderr)
+        return 2
+    import importlib
+
+    return importlib.import_module(BENCHMARKS[argv[0]]).main(argv[1:]) or 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -67,6 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return plan_main(rest)
     if command == "data":
         return data_main(rest)
+    if command == "bench":
+        return bench_main(rest)
     print(f"unknown command {command!r}\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -64,6 +64,8 @@ def test_torchrun_two_workers_match_one_worker_with_reward_on_one_rank(tmp_path,
     assert proc.returncode == 0, proc.stderr[-3000:]
     ours = metrics(run_dir)
     assert_same_run(ours, one_worker_run)
+    # no rank ever held the global batch, except rank 0 for the one node placed on it alone
+    assert one_worker_run[0]["batch/max_samples_per_rank"] == 256 == ours[0]["batch/samples"]
     assert "timing/reshard_reward_s" in ours[0] and "timing/balance_actor_update_s" in ours[0]
 
 
@@ -74,8 +76,11 @@ def test_ray_two_workers_match_and_a_failing_worker_stops_the_run(tmp_path, one_
     run_dir = tmp_path / "ray"
     cfg = load_config(Config, None, [f"trainer.run_dir={run_dir}", "trainer.n_workers=2",
                                      "trainer.total_steps=3", *FAST])
-    launch(cfg)
+    history = launch(cfg)
+    # the driver receives only the reduced metrics, never sample data
+    assert all(isinstance(v, float) for step in history for v in step.values())
     assert_same_run(metrics(run_dir), one_worker_run)
+    assert metrics(run_dir)[0]["batch/max_samples_per_rank"] == 128   # half of 32 prompts x 8
 
     bad = tmp_path / "rank1_fails.py"
     bad.write_text("import os\n"

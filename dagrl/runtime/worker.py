@@ -95,11 +95,16 @@ class Worker:
         metrics = StepMetrics()
         step_start = time.perf_counter()
         batch = self.loader.next_batch().to(self.device)
+        most = len(batch)
         for task in self.plan.tasks:
             start = time.perf_counter()
             batch = self.run_task(task, batch, step, metrics)
             name = task.node_id if task.kind == "node" else f"{task.kind}_{task.node_id}"
             metrics.add_max(f"timing/{name}_s", time.perf_counter() - start)
+            most = max(most, len(batch))
+        # The most samples this rank held at any point: no rank should ever hold the global batch.
+        metrics.add_max("batch/max_samples_per_rank", most)
+        metrics.add_sum("batch/samples", len(batch))
         step_s = time.perf_counter() - step_start
         metrics.add_max("timing/step_s", step_s)
         result = metrics.reduce(self.dist.cpu_group if self.dist.distributed else None)
