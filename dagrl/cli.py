@@ -4,6 +4,7 @@
     dagrl plan  [CONFIG] [key=value ...]        # the graph and each rank's task list
     dagrl data make arith --out DIR [--seed S]  # the default task as verl-layout parquet
     dagrl bench dataplane [--workers 2,4,8] ... # our reshard vs a single-controller emulation
+    dagrl bench learning [--algorithms all]     # reward early vs late for every algorithm
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ def data_main(argv: Sequence[str]) -> int:
     return 0
 
 
-BENCHMARKS = {"dataplane": "dagrl.bench.dataplane"}
+BENCHMARKS = {"dataplane": "dagrl.bench.dataplane", "learning": "dagrl.bench.learning"}
 
 
 def bench_main(argv: Sequence[str]) -> int:

@@ -13,7 +13,8 @@ import argparse
 import sys
 from typing import Sequence
 
-from dagrl.config.loader import ConfigError, dump_yaml, load_config
+from dagrl.config.loader import ConfigError, dump_yaml
+from dagrl.config.presets import load_run_config
 from dagrl.config.schema import Config
 
 
@@ -30,8 +31,9 @@ def split_config_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
 
 
 def load_cli_config(args: Sequence[str]) -> Config:
+    """[CONFIG.yaml] [key=value ...] -> the config, with algorithm.name's preset applied."""
     path, overrides = split_config_args(args)
-    return load_config(Config, path, overrides)
+    return load_run_config(path, overrides)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

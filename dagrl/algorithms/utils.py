@@ -6,8 +6,14 @@ float or bool tensors broadcastable to the values; 1 marks a real token.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import Tensor
+
+# Sums a tensor across the workers that each hold a shard of the batch (an all-reduce with SUM)
+# and returns the total; the same shape goes in and comes out. None means a single process.
+Reducer = Callable[[Tensor], Tensor]
 
 
 def masked_sum(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
@@ -53,6 +59,41 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     if not shift_mean:
         whitened = whitened + mean
     return whitened * mask.to(x.dtype)
+
+
+def global_masked_whiten(
+    x: Tensor,
+    mask: Tensor,
+    reducer: Reducer | None = None,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+) -> Tensor:
+    """``masked_whiten`` over the masked entries of *all* workers' shards, moving only sums.
+
+    μ  = R(Σ x·m) / R(Σ m)
+    σ² = R(Σ (x − μ)²·m) / (R(Σ m) − 1)          (unbiased, over the global count)
+    out = (x − μ) / sqrt(σ² + eps)   (+ μ if not ``shift_mean``), 0 outside the mask
+
+    R = ``reducer`` (identity when None). Each moment packs its sums into one tensor, so a call
+    costs two reductions whatever the batch size. The variance is taken around the global mean
+    in a second pass rather than from Σx² − nμ², which cancels catastrophically when |μ| ≫ σ.
+    """
+    reduce = reducer if reducer is not None else (lambda t: t)
+    m = mask.to(x.dtype)
+    first = reduce(torch.stack([(x * m).sum(), m.sum()]))  # [2] = (Σ x·m, Σ m) over all workers
+    total, count = first[0], first[1]
+    if float(count) < 2:
+        raise ValueError(
+            f"global_masked_whiten needs at least 2 masked entries over all workers, the mask has "
+            f"{float(count):g}"
+        )
+    mean = total / count
+    sq_dev_sum = reduce(((x - mean) ** 2 * m).sum().reshape(1))[0]  # [1] -> scalar
+    var = sq_dev_sum / (count - 1)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * m
 
 
 def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:

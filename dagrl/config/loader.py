@@ -335,12 +335,17 @@ def _read_yaml_file(path: Path) -> dict:
     return data
 
 
+def load_user_dict(path: str | Path | None = None, overrides: Sequence[str] = ()) -> dict:
+    """What the user set: the YAML file at ``path`` (if any) updated by ``overrides``."""
+    data = _read_yaml_file(Path(path)) if path is not None else {}
+    return merge(data, parse_overrides(overrides))
+
+
 def load_config(
     cls: type[T], path: str | Path | None = None, overrides: Sequence[str] = ()
 ) -> T:
     """Build ``cls`` from its defaults, then the YAML file at ``path``, then ``overrides``."""
-    data = _read_yaml_file(Path(path)) if path is not None else {}
-    return from_dict(cls, merge(data, parse_overrides(overrides)))
+    return from_dict(cls, load_user_dict(path, overrides))
 
 
 def dump_yaml(obj: Any) -> str:

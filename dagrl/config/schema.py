@@ -106,6 +106,27 @@ class ActorConfig:
 
 
 @dataclass
+class CriticConfig:
+    """The value model (PPO). Built only when the graph has a values or critic_update node."""
+    # Empty: initialised from model.path (the actor's checkpoint) with a new scalar head.
+    path: str = ""
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
+    warmup_steps: int = 0
+    grad_clip: float = 1.0
+    micro_batch_size: int = 64
+    ppo_epochs: int = 1
+    cliprange_value: float = 0.5    # PPO2 value clipping around the old values
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "lr must be > 0")
+        _check(self.micro_batch_size > 0, "micro_batch_size must be > 0")
+        _check(self.ppo_epochs > 0, "ppo_epochs must be > 0")
+        _check(self.cliprange_value > 0, "cliprange_value must be > 0")
+
+
+@dataclass
 class RefConfig:
     micro_batch_size: int = 64      # samples per forward pass of the reference model
 
@@ -123,6 +144,13 @@ class RewardConfig:
     # count it (metric reward/errors, first message logged) and give it error_score.
     on_error: Literal["raise", "count"] = "raise"
     error_score: float = 0.0
+    # DAPO's overlong shaping: responses longer than rollout.max_new_tokens - overlong_buffer_len
+    # lose up to overlong_penalty_factor, linearly in the excess. 0 disables it.
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.overlong_buffer_len >= 0, "overlong_buffer_len must be >= 0")
 
 
 @dataclass
@@ -137,16 +165,37 @@ class AlgorithmConfig:
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
                            "seq-mean-token-sum-norm"] = "token-mean"
     entropy_coeff: float = 0.0
+    # CPGD's policy-drift penalty weight (used by policy_loss=cpgd).
+    policy_drift_coef: float = 0.01
     # KL to the reference policy as a loss term (GRPO's choice). 0 disables the term, and the
     # reference model is then not needed by the update.
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
+    # KL to the reference as a per-token reward penalty r_t -= beta * KL_t (PPO/RLOO/REINFORCE++).
+    kl_in_reward: bool = False
+    kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001          # beta (the initial beta for the adaptive controller)
+    kl_reward_type: str = "k1"
+    kl_target: float = 0.1          # adaptive controller: the KL it steers towards
+    kl_horizon: int = 10000         # adaptive controller: samples over which beta adapts
+    # GAE (PPO) and discounted returns (REINFORCE++).
+    gamma: float = 1.0
+    lam: float = 1.0
+    # DAPO dynamic sampling (the `filter` node): at most this many generation rounds per step to
+    # fill the batch with groups whose rewards vary; then stop with an error, or train on the
+    # partial batch (logged).
+    filter_max_rounds: int = 4
+    filter_on_cap: Literal["error", "partial"] = "error"
 
     def __post_init__(self) -> None:
         _check(self.clip_ratio_low >= 0 and self.clip_ratio_high >= 0,
                "clip_ratio_low and clip_ratio_high must be >= 0")
         _check(self.clip_ratio_c > 1, "clip_ratio_c must be > 1")
         _check(self.kl_loss_coef >= 0, "kl_loss_coef must be >= 0")
+        _check(self.kl_coef >= 0, "kl_coef must be >= 0")
+        _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "gamma and lam must be in [0, 1]")
+        _check(self.kl_target > 0 and self.kl_horizon > 0, "kl_target and kl_horizon must be > 0")
+        _check(self.filter_max_rounds > 0, "filter_max_rounds must be > 0")
 
 
 @dataclass
@@ -195,6 +244,7 @@ class Config:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     ref: RefConfig = field(default_factory=RefConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     dag: DagConfig = field(default_factory=DagConfig)

@@ -1,30 +1,73 @@
-"""Built-in graphs, one function per algorithm, selected by `algorithm.name`.
+"""Built-in graphs, one per algorithm, selected by `algorithm.name` (with the settings of
+`dagrl/config/presets.py`). `dagrl plan algorithm.name=X` shows each.
 
-A graph function receives the config because a node's presence can depend on it: GRPO only
-computes reference log-probs when the KL loss is on.
+All are variations of one policy-gradient graph:
+
+    [greedy_baseline] -> rollout -> reward -> [filter] -> old_logprob, [ref_logprob], [values]
+                      -> advantage -> actor_update, [critic_update]
+
+A graph function receives the config because a node's presence can depend on it: the
+reference model is only built (and its node only planned) when a KL term uses it.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from dagrl.config.schema import Config
 from dagrl.dag.spec import GraphSpec, NodeSpec
 from dagrl.registry import Registry
 
-BUILTIN_GRAPHS: Registry = Registry("built-in graph")
+BUILTIN_GRAPHS: Registry[Callable[[Config], GraphSpec]] = Registry("built-in graph")
 
 
-@BUILTIN_GRAPHS.register("grpo")
-def grpo_graph(cfg: Config) -> GraphSpec:
-    """GRPO (Shao et al. 2024, DeepSeekMath): n samples per prompt, group-normalised rewards as
-    advantages, clipped policy loss with a KL-to-reference loss term; no critic."""
-    use_ref = cfg.algorithm.kl_loss_coef > 0
-    nodes = [
-        NodeSpec("rollout", "rollout"),
-        NodeSpec("reward", "reward", ("rollout",)),
-        NodeSpec("old_logprob", "old_logprob", ("rollout",)),
-        *([NodeSpec("ref_logprob", "ref_logprob", ("rollout",))] if use_ref else []),
-        NodeSpec("advantage", "advantage", ("reward",)),
-        NodeSpec("actor_update", "actor_update",
-                 ("advantage", "old_logprob", *(("ref_logprob",) if use_ref else ()))),
-    ]
-    return GraphSpec("grpo", tuple(nodes))
+def uses_reference(cfg: Config) -> bool:
+    return cfg.algorithm.kl_loss_coef > 0 or cfg.algorithm.kl_in_reward
+
+
+def policy_graph(name: str, cfg: Config, *, greedy_baseline: bool = False,
+                 dynamic_sampling: bool = False, critic: bool = False) -> GraphSpec:
+    nodes = []
+    if greedy_baseline:
+        nodes.append(NodeSpec("greedy_baseline", "greedy_baseline"))
+    nodes.append(NodeSpec("rollout", "rollout", ("greedy_baseline",) if greedy_baseline else ()))
+    nodes.append(NodeSpec("reward", "reward", ("rollout",)))
+    source = "reward"    # what the forward passes read: the batch after filtering, if any
+    if dynamic_sampling:
+        nodes.append(NodeSpec("filter", "filter", ("reward",)))
+        source = "filter"
+    forward = ["old_logprob"]
+    nodes.append(NodeSpec("old_logprob", "old_logprob", (source,)))
+    if uses_reference(cfg):
+        nodes.append(NodeSpec("ref_logprob", "ref_logprob", (source,)))
+        forward.append("ref_logprob")
+    if critic:
+        nodes.append(NodeSpec("values", "values", (source,)))
+        forward.append("values")
+    nodes.append(NodeSpec("advantage", "advantage", (source, *forward)))
+    nodes.append(NodeSpec("actor_update", "actor_update", ("advantage",)))
+    if critic:
+        nodes.append(NodeSpec("critic_update", "critic_update", ("advantage",)))
+    return GraphSpec(name, tuple(nodes))
+
+
+def _register(name: str, doc: str, **kwargs) -> None:
+    def build(cfg: Config) -> GraphSpec:
+        return policy_graph(name, cfg, **kwargs)
+
+    build.__doc__ = doc
+    BUILTIN_GRAPHS.add(name, build)
+
+
+_register("grpo", "GRPO (Shao et al. 2024): group-normalised rewards, clipped loss, KL loss term.")
+_register("drgrpo", "Dr.GRPO (Liu et al. 2025): GRPO without std and length normalisation.")
+_register("gspo", "GSPO (Zheng et al. 2025): sequence-level importance ratio and clipping.")
+_register("cpgd", "CPGD (Liu et al. 2025): clipped log-ratio objective with policy drift.")
+_register("rloo", "RLOO (Ahmadian et al. 2024): leave-one-out baseline.")
+_register("reinforce_pp", "REINFORCE++ (Hu 2025): globally whitened returns.")
+_register("dapo", "DAPO (Yu et al. 2025): dynamic sampling, clip-higher, token-level loss.",
+          dynamic_sampling=True)
+_register("remax", "ReMax (Li et al. 2023): greedy-rollout reward as the baseline.",
+          greedy_baseline=True)
+_register("ppo", "PPO (Schulman et al. 2017): critic, GAE advantages, value clipping.",
+          critic=True)

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 from dagrl.registry import Registry
 
 # Engines a role may ask for; the worker builds the union over the nodes it runs.
-ENGINES = ("actor", "ref", "rollout", "reward")
+ENGINES = ("actor", "critic", "ref", "rollout", "reward")
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 from dagrl.config.schema import Config
+from dagrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
 from dagrl.engines.actor import ActorEngine
+from dagrl.engines.critic import CriticEngine, load_value_model
 from dagrl.engines.generator import Generator
 from dagrl.engines.models import load_model, load_tokenizer
 from dagrl.engines.sharding import shard_model
@@ -27,9 +29,11 @@ from dagrl.rewards.manager import RewardManager
 class Engines:
     tokenizer: object
     actor: ActorEngine | None = None
+    critic: CriticEngine | None = None
     generator: Generator | None = None
     ref_model: torch.nn.Module | None = None
     reward_manager: RewardManager | None = None
+    kl_controller: FixedKLController | AdaptiveKLController | None = None
     log: Callable[[str], None] = field(default=print)
     synced_version: int = 0   # the actor version the generators hold (the same on every rank)
 
@@ -62,6 +66,13 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
                                     temperature=cfg.rollout.temperature,
                                     samples_per_prompt=cfg.rollout.n,
                                     dp_group=dist.group.WORLD if world_size > 1 else None)
+    if "critic" in needed:
+        critic_model = load_value_model(cfg.critic.path or m.path, m.dtype, device)
+        engines.critic = CriticEngine(shard_model(critic_model, world_size, device.type),
+                                      cfg.critic, cfg.actor,
+                                      loss_agg_mode=cfg.algorithm.loss_agg_mode,
+                                      samples_per_prompt=cfg.rollout.n,
+                                      dp_group=dist.group.WORLD if world_size > 1 else None)
     if "rollout" in needed:
         # Starts from the same checkpoint as the actor: nothing to sync before the first update.
         engines.generator = Generator(load_model(m.path, m.gguf_file, m.dtype, device),
@@ -74,4 +85,8 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
         r = cfg.reward
         engines.reward_manager = RewardManager(on_error=r.on_error, custom_fn=r.custom_fn,
                                                error_score=r.error_score)
+    a = cfg.algorithm
+    if a.kl_in_reward:
+        engines.kl_controller = (AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
+                                 if a.kl_ctrl == "adaptive" else FixedKLController(a.kl_coef))
     return engines

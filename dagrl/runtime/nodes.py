@@ -6,18 +6,28 @@ Fields each role adds to the batch (shapes for a shard of N samples, response wi
   reward       scores [N], token_level_scores [N,R] (the score on the last response token)
   old_logprob  old_logprobs [N,R]   (the actor before this step's update)
   ref_logprob  ref_logprobs [N,R]
-  advantage    advantages [N,R], returns [N,R]
+  advantage    token_level_rewards [N,R] (scores, minus a KL penalty if configured),
+               advantages [N,R], returns [N,R]
   actor_update (updates the actor; adds nothing)
+  greedy_baseline  baseline_scores [N]: the reward of a greedy response to each prompt (ReMax)
+  filter       keeps only groups whose rewards vary, generating more until the batch is full
+  values       values [N,R] (critic)
+  critic_update (updates the critic)
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import inspect
+from typing import Callable
+
 import numpy as np
 import torch
 
 from dagrl.algorithms.advantages import ADVANTAGE_ESTIMATORS
+from dagrl.algorithms.kl_control import apply_kl_penalty
+from dagrl.algorithms.shaping import groups_with_variance, overlong_penalty
 from dagrl.config.schema import Config
 from dagrl.dag.roles import register_role
 from dagrl.dag.spec import NodeSpec
@@ -39,6 +49,11 @@ class NodeContext:
     world_size: int
     engines: Engines
     metrics: StepMetrics
+    # Sums a tensor over the ranks running this node (identity on one rank): global statistics
+    # (whitening, KL, counts) come from reduced sums, never from moving the batch.
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+    # Runs the nodes before this one again on fresh prompts (DAPO's dynamic sampling).
+    more: Callable[[], Batch] | None = None
 
 
 @register_role("rollout", engines=("rollout", "actor"))
@@ -81,6 +96,13 @@ def reward(ctx: NodeContext, batch: Batch) -> Batch:
                                              batch["extra_info"], sample_ids=sample_ids)
     scores = torch.tensor(result.scores, dtype=torch.float32)
     mask = batch["response_mask"]
+    r = ctx.config.reward
+    if r.overlong_buffer_len:
+        penalty = overlong_penalty(mask.sum(-1), max_len=ctx.config.rollout.max_new_tokens,
+                                   buffer_len=r.overlong_buffer_len,
+                                   penalty_factor=r.overlong_penalty_factor)
+        ctx.metrics.add_mean("reward/overlong_penalty", float(penalty.sum()), len(batch))
+        scores = scores + penalty
     # The outcome reward sits on the last response token (token-level credit for PPO/GAE).
     last = (mask.sum(-1).long() - 1).clamp(min=0)
     token_scores = torch.zeros_like(mask)
@@ -126,15 +148,125 @@ def group_index(uids: np.ndarray) -> torch.Tensor:
     return torch.as_tensor(inverse, dtype=torch.long)
 
 
+def _advantage_inputs(ctx: NodeContext, batch: Batch) -> dict:
+    """Everything an advantage estimator may ask for; each takes what its signature names."""
+    algo = ctx.config.algorithm
+    rewards = batch["token_level_scores"]
+    mask = batch["response_mask"]
+    if algo.kl_in_reward:
+        ctrl = ctx.engines.kl_controller
+        rewards, kl = apply_kl_penalty(rewards, batch["old_logprobs"], batch["ref_logprobs"], mask,
+                                       coef=ctrl.value, kind=algo.kl_reward_type)
+        totals = ctx.reduce_sum(torch.tensor([float((kl * mask).sum()), float(mask.sum()),
+                                              float(len(batch))], dtype=torch.float64))
+        ctx.metrics.add_mean("actor/reward_kl", float((kl * mask).sum()), float(mask.sum()))
+        ctx.metrics.add_mean("actor/kl_coef", ctrl.value, 1.0)
+        ctrl.update(float(totals[0] / totals[1].clamp(min=1)), int(totals[2]))
+    batch["token_level_rewards"] = rewards
+    optional = {k: batch[k] for k in ("values", "baseline_scores") if k in batch}
+    return dict(token_level_rewards=rewards, response_mask=mask,
+                group_index=group_index(batch["uid"]), reducer=ctx.reduce_sum,
+                gamma=algo.gamma, lam=algo.lam, norm_by_std=algo.norm_adv_by_std, **optional)
+
+
 @register_role("advantage")
 def advantage(ctx: NodeContext, batch: Batch) -> Batch:
-    algo = ctx.config.algorithm
-    estimator = ADVANTAGE_ESTIMATORS.get(algo.adv_estimator)
-    adv, returns = estimator(batch["token_level_scores"], batch["response_mask"],
-                             group_index(batch["uid"]), norm_by_std=algo.norm_adv_by_std)
+    name = ctx.config.algorithm.adv_estimator
+    estimator = ADVANTAGE_ESTIMATORS.get(name)
+    available = _advantage_inputs(ctx, batch)
+    kwargs = {}
+    for param in inspect.signature(estimator).parameters.values():
+        if param.name in available:
+            kwargs[param.name] = available[param.name]
+        elif param.default is inspect.Parameter.empty:
+            raise KeyError(f"node {ctx.node.id!r}: advantage estimator {name!r} needs "
+                           f"{param.name!r} in the batch (add the node that computes it)")
+    adv, returns = estimator(**kwargs)
     batch["advantages"], batch["returns"] = adv, returns
     mask = batch["response_mask"]
     ctx.metrics.add_mean("advantage/mean", float((adv * mask).sum()), float(mask.sum()))
+    ctx.metrics.add_mean("advantage/abs_mean", float((adv.abs() * mask).sum()), float(mask.sum()))
+    return batch
+
+
+@register_role("greedy_baseline", engines=("rollout", "reward"))
+def greedy_baseline(ctx: NodeContext, batch: Batch) -> Batch:
+    """ReMax: the reward of the greedy response to each prompt, the baseline of its samples."""
+    cfg = ctx.config.rollout
+    out = ctx.engines.generator.generate(
+        batch["prompt_ids"], batch["prompt_mask"], torch.zeros(len(batch), dtype=torch.long),
+        SamplingParams(temperature=0.0), max_new_tokens=cfg.max_new_tokens,
+        min_new_tokens=cfg.min_new_tokens)
+    texts = decode_responses(ctx.engines.tokenizer, out.responses, out.response_mask)
+    result = ctx.engines.reward_manager.score(texts, batch["data_source"], batch["ground_truth"],
+                                             batch["extra_info"],
+                                             sample_ids=[f"{u}/greedy" for u in batch["uid"]])
+    batch["baseline_scores"] = torch.tensor(result.scores, dtype=torch.float32)
+    ctx.metrics.add_distribution("reward/greedy_baseline", batch["baseline_scores"])
+    return batch
+
+
+def _count_groups(batch: Batch) -> int:
+    return len(set(batch["uid"].tolist())) if len(batch) else 0
+
+
+@register_role("filter")
+def filter_groups(ctx: NodeContext, batch: Batch) -> Batch:
+    """DAPO dynamic sampling: keep groups whose rewards vary (a group that is all right or all
+    wrong has zero advantage and only dilutes the batch); generate again on fresh prompts until
+    data.train_batch_size groups are kept over all ranks, at most algorithm.filter_max_rounds
+    rounds. Every rank takes the same decisions, from globally summed counts."""
+    algo, target = ctx.config.algorithm, ctx.config.data.train_batch_size
+    kept = batch.select(groups_with_variance(batch["scores"], group_index(batch["uid"])))
+    generated = _count_groups(batch)
+    rounds = 1
+    while True:
+        counts = ctx.reduce_sum(torch.tensor([_count_groups(kept), generated], dtype=torch.float64))
+        total = int(counts[0])
+        if total >= target or rounds >= algo.filter_max_rounds or ctx.more is None:
+            break
+        fresh = ctx.more()
+        generated += _count_groups(fresh)
+        kept = Batch.concat([kept, fresh.select(groups_with_variance(
+            fresh["scores"], group_index(fresh["uid"])))])
+        rounds += 1
+    ctx.metrics.add_max("filter/rounds", rounds)
+    ctx.metrics.add_sum("filter/groups_kept", min(total, target))
+    ctx.metrics.add_mean("filter/keep_rate", float(counts[0]), float(counts[1]))
+    keep = target
+    if total < target:
+        if algo.filter_on_cap == "error" or total < ctx.world_size:
+            raise RuntimeError(
+                f"node {ctx.node.id!r}: only {total} of {target} groups had varying rewards after "
+                f"{rounds} generation round(s) (algorithm.filter_max_rounds="
+                f"{algo.filter_max_rounds}); raise it, or set algorithm.filter_on_cap=partial")
+        keep = total - total % ctx.world_size   # equal group counts per rank for the update
+        ctx.engines.log(f"filter: training on a partial batch of {keep}/{target} groups")
+    return _first_groups(ctx, kept, keep)
+
+
+def _first_groups(ctx: NodeContext, batch: Batch, keep: int) -> Batch:
+    """Keep the first `keep` groups of the global order (rank by rank)."""
+    mine = _count_groups(batch)
+    per_rank = torch.zeros(ctx.world_size, dtype=torch.float64)
+    per_rank[ctx.rank] = mine
+    per_rank = ctx.reduce_sum(per_rank)
+    before = int(per_rank[:ctx.rank].sum())
+    allowed = max(0, min(mine, keep - before))
+    uids = batch["uid"].tolist()
+    first = set(list(dict.fromkeys(uids))[:allowed])
+    return batch.select([i for i, u in enumerate(uids) if u in first])
+
+
+@register_role("values", engines=("critic",))
+def values(ctx: NodeContext, batch: Batch) -> Batch:
+    batch["values"] = ctx.engines.critic.compute_values(batch)
+    return batch
+
+
+@register_role("critic_update", engines=("critic",), trains=True)
+def critic_update(ctx: NodeContext, batch: Batch) -> Batch:
+    ctx.engines.critic.update(batch, ctx.metrics)
     return batch
 
 

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from dagrl.config.schema import Config
 from dagrl.dag.builtin import BUILTIN_GRAPHS
@@ -94,33 +95,51 @@ class Worker:
         """Run this rank's plan once; returns the step's metrics reduced over all ranks."""
         metrics = StepMetrics()
         step_start = time.perf_counter()
-        batch = self.loader.next_batch().to(self.device)
-        most = len(batch)
-        for task in self.plan.tasks:
-            start = time.perf_counter()
-            batch = self.run_task(task, batch, step, metrics)
-            name = task.node_id if task.kind == "node" else f"{task.kind}_{task.node_id}"
-            metrics.add_max(f"timing/{name}_s", time.perf_counter() - start)
-            most = max(most, len(batch))
-        # The most samples this rank held at any point: no rank should ever hold the global batch.
-        metrics.add_max("batch/max_samples_per_rank", most)
-        metrics.add_sum("batch/samples", len(batch))
+        batch = self.run_tasks(self.plan.tasks, step, metrics)
         step_s = time.perf_counter() - step_start
         metrics.add_max("timing/step_s", step_s)
+        metrics.add_sum("batch/samples", len(batch))
         result = metrics.reduce(self.dist.cpu_group if self.dist.distributed else None)
         if "tokens/total" in result:
             result["throughput/tokens_per_s"] = result["tokens/total"] / result["timing/step_s"]
         return result
 
-    def run_task(self, task, batch, step: int, metrics: StepMetrics):
+    def run_tasks(self, tasks, step: int, metrics: StepMetrics):
+        """Run `tasks` (a prefix of the plan, or all of it) on this rank's next prompts."""
+        batch = self.loader.next_batch().to(self.device)
+        most = len(batch)
+        for i, task in enumerate(tasks):
+            start = time.perf_counter()
+            batch = self.run_task(task, batch, step, metrics, upstream=tasks[:i])
+            name = task.node_id if task.kind == "node" else f"{task.kind}_{task.node_id}"
+            metrics.add_max(f"timing/{name}_s", time.perf_counter() - start)
+            most = max(most, len(batch))
+        # The most samples this rank held at any point: no rank should ever hold the global batch.
+        metrics.add_max("batch/max_samples_per_rank", most)
+        return batch
+
+    def run_task(self, task, batch, step: int, metrics: StepMetrics, upstream=()):
         if task.kind == "reshard":
             return reshard(batch, task.src, task.dst, device=self.device)
+        group = self.dist.group_for(task.dst)
         if task.kind == "balance":
-            group = self.dist.group_for(task.dst)
             return balance(batch, tuple(range(len(task.dst))), group, device=self.device)
         ctx = NodeContext(self.cfg, self.graph.node(task.node_id), step, self.rank,
-                          self.world_size, self.engines, metrics)
+                          self.world_size, self.engines, metrics,
+                          reduce_sum=self._reducer(group),
+                          more=lambda: self.run_tasks(upstream, step, metrics))
         return self.roles.get(task.role).fn(ctx, batch)
+
+    def _reducer(self, group):
+        if not self.dist.distributed:
+            return lambda t: t
+
+        def reduce_sum(t: torch.Tensor) -> torch.Tensor:
+            out = t.detach().to(self.device).clone()
+            dist.all_reduce(out, group=group)
+            return out.to(t.device)
+
+        return reduce_sum
 
     def train(self) -> list[dict[str, float]]:
         history = []

@@ -1,0 +1,62 @@
+"""The critic (PPO): a value model, V(s_t) for the state before each response token, trained
+with the clipped value loss ½·max((V − R)², (V_clip − R)²) against the GAE returns R."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from transformers import AutoModelForTokenClassification
+
+from dagrl.algorithms.loss_agg import agg_loss
+from dagrl.algorithms.value_loss import clipped_value_loss
+from dagrl.config.schema import ActorConfig, CriticConfig
+from dagrl.data.batch import Batch
+from dagrl.engines.forward import batch_values, response_values
+from dagrl.engines.models import DTYPES, _check_model_dir, _disable_dropout
+from dagrl.engines.train_engine import TrainEngine, token_mean
+from dagrl.observe.metrics import StepMetrics
+
+
+def load_value_model(path: str, dtype: str = "float32", device="cpu") -> torch.nn.Module:
+    """A causal-LM checkpoint as a value model: the same backbone with a new scalar head
+    (`*ForTokenClassification` with one label: one value per position)."""
+    _check_model_dir(path, "")
+    model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=DTYPES[dtype],
+                                                            local_files_only=True)
+    _disable_dropout(model)
+    return model.to(device)
+
+
+class CriticEngine(TrainEngine):
+    name = "critic"
+    loss_metric = "vf_loss"
+
+    def __init__(self, model: torch.nn.Module, cfg: CriticConfig, actor_cfg: ActorConfig, *,
+                 loss_agg_mode: str, samples_per_prompt: int,
+                 dp_group: dist.ProcessGroup | None = None) -> None:
+        super().__init__(model, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                         warmup_steps=cfg.warmup_steps, grad_clip=cfg.grad_clip,
+                         loss_agg_mode=loss_agg_mode, dp_group=dp_group)
+        self.cfg = cfg
+        # The critic steps on the same mini-batches as the actor.
+        self.mini_batch_samples = actor_cfg.mini_batch_size * samples_per_prompt // self.dp_size
+
+    def compute_values(self, batch: Batch) -> torch.Tensor:
+        self.model.eval()
+        return batch_values(self.model, batch, micro_batch_size=self.cfg.micro_batch_size)
+
+    def update(self, batch: Batch, metrics: StepMetrics) -> None:  # type: ignore[override]
+        super().update(batch, metrics, mini_batch_samples=self.mini_batch_samples,
+                       micro_batch_size=self.cfg.micro_batch_size, epochs=self.cfg.ppo_epochs)
+
+    def micro_loss(self, micro: Batch, denom: float, metrics: StepMetrics):
+        mask = micro["response_mask"]
+        values = response_values(self.model, micro["prompt_ids"], micro["prompt_mask"],
+                                 micro["responses"], mask)
+        loss_mat, stats = clipped_value_loss(values, micro["values"], micro["returns"], mask,
+                                             cliprange_value=self.cfg.cliprange_value)
+        loss = agg_loss(loss_mat, mask, self.loss_agg_mode, denom=denom)
+        token_mean(metrics, "critic/values", values, mask)
+        for name, value in stats.items():
+            token_mean(metrics, f"critic/{name}", value, mask)
+        return loss, loss

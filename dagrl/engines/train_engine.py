@@ -1,0 +1,91 @@
+"""What the actor and the critic share: an FSDP2-sharded model, AdamW with linear warmup, and
+the epochs × mini-batches × micro-batches update loop.
+
+The loss of every micro-batch is divided by the *global* normaliser of its mini-batch (tokens
+or sequences, summed over all micro-batches and all data-parallel ranks), so the accumulated
+gradient is the exact gradient of the whole mini-batch's loss, however the batch is split over
+micro-batches and workers. FSDP averages gradients over the ranks, so each rank's loss is
+multiplied by the number of ranks before backward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from dagrl.algorithms.loss_agg import agg_denominator
+from dagrl.data.batch import Batch
+from dagrl.observe.metrics import StepMetrics
+
+
+def all_reduce_sum(value: float, group: dist.ProcessGroup | None, device) -> float:
+    if group is None or dist.get_world_size(group) == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t, group=group)
+    return float(t.item())
+
+
+class TrainEngine:
+    """Subclasses implement `micro_loss(micro, denom, metrics) -> (loss, reported_loss)`."""
+
+    name = "train"          # metric prefix
+    loss_metric = "loss"    # what micro_loss reports (the policy or value loss, without extras)
+
+    def __init__(self, model: torch.nn.Module, *, lr: float, betas, weight_decay: float,
+                 warmup_steps: int, grad_clip: float, loss_agg_mode: str,
+                 dp_group: dist.ProcessGroup | None = None) -> None:
+        self.model = model
+        self.grad_clip = grad_clip
+        self.loss_agg_mode = loss_agg_mode
+        self.dp_group = dp_group
+        self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas),
+                                           weight_decay=weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warmup_steps) if warmup_steps else 1.0)
+        self.version = 0   # optimizer steps taken
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def micro_loss(self, micro: Batch, denom: float,
+                   metrics: StepMetrics) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError   # abstract: ActorEngine and CriticEngine define it
+
+    def update(self, batch: Batch, metrics: StepMetrics, *, mini_batch_samples: int,
+               micro_batch_size: int, epochs: int) -> None:
+        """`epochs` passes over this rank's batch, one optimizer step per mini-batch."""
+        self.model.train()
+        for _ in range(epochs):
+            for mini in batch.split(mini_batch_samples):
+                self._optimizer_step(mini, micro_batch_size, metrics)
+
+    def _optimizer_step(self, mini: Batch, micro_batch_size: int, metrics: StepMetrics) -> None:
+        denom = all_reduce_sum(agg_denominator(mini["response_mask"], self.loss_agg_mode),
+                               self.dp_group, self.device)
+        self.optimizer.zero_grad(set_to_none=True)
+        reported = 0.0
+        for micro in mini.split(micro_batch_size):
+            loss, shown = self.micro_loss(micro, denom, metrics)
+            (loss * self.dp_size).backward()
+            reported += float(shown.detach())
+        max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        if hasattr(norm, "full_tensor"):   # a DTensor under FSDP2
+            norm = norm.full_tensor()
+        self.optimizer.step()
+        self.scheduler.step()
+        self.version += 1
+        p = self.name
+        metrics.add_sum(f"{p}/{self.loss_metric}", reported)          # shares of the global mean: summed
+        # The same value on every rank: a mean over ranks (and over the step's mini-batches).
+        metrics.add_mean(f"{p}/grad_norm", float(norm), 1.0)
+        metrics.add_mean(f"{p}/lr", self.scheduler.get_last_lr()[0], 1.0)
+        metrics.add_sum(f"{p}/optimizer_steps", 1.0 / self.dp_size)
+
+
+def token_mean(metrics: StepMetrics, name: str, values: torch.Tensor, mask: torch.Tensor) -> None:
+    mask = mask.to(values.dtype)
+    metrics.add_mean(name, float((values.detach() * mask).sum()), float(mask.sum()))
