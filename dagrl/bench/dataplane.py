@@ -128,7 +128,8 @@ def move_single(batch: Batch, dest: torch.Tensor, all_dests: list[torch.Tensor])
     rows = [torch.nonzero(dest_all == d).flatten() for d in range(world)]
     # All pieces are serialised before any is delivered, as the driver's remote calls put every
     # argument into the object store first; each selected (copied) piece is freed once packed.
-    out = [torch.empty(0, dtype=torch.uint8)] + [pack(whole.select(rows[d])) for d in range(1, world)]
+    out = [torch.empty(0, dtype=torch.uint8)]
+    out += [pack(whole.select(rows[d])) for d in range(1, world)]
     dist.scatter(torch.zeros(1, dtype=torch.int64),
                  [torch.tensor([o.numel()]) for o in out], src=0)
     for req in [dist.isend(out[d], dst=d) for d in range(1, world)]:
@@ -218,11 +219,11 @@ def _verify(out: Batch, sent: torch.Tensor, all_dests: list[torch.Tensor], metho
         problems.append(f"(count, checksum) {got.tolist()} != expected {totals[rank].tolist()}")
     if len(out) and (list(out["uid"]) != uids or list(out["data_source"]) != sources):
         problems.append("uids/data sources differ from the expected samples or order")
-    bad = torch.tensor([len(problems)])
-    dist.all_reduce(bad)
-    if int(bad):
-        raise RuntimeError(f"dataplane {method}: correctness check FAILED on rank {rank}: "
-                           f"{problems or 'another rank failed'}")
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, problems)     # so whichever rank reports says it all
+    failed = {r: p for r, p in enumerate(everyone) if p}
+    if failed:
+        raise RuntimeError(f"dataplane {method}: correctness check FAILED: {failed}")
 
 
 def _worker(rank: int, world: int, method: str, n: int, repeats: int, seed: int,
@@ -326,7 +327,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     points: dict[tuple[int, int], set[str]] = {}
     for w in args.workers:
         for mib in args.sizes:
-            points.setdefault((w, max(1, round(mib * MIB / (w * SAMPLE_BYTES)))), set()).add("total")
+            n = max(1, round(mib * MIB / (w * SAMPLE_BYTES)))
+            points.setdefault((w, n), set()).add("total")
         if args.per_worker_mib > 0:
             n = max(1, round(args.per_worker_mib * MIB / SAMPLE_BYTES))
             points.setdefault((w, n), set()).add("per-worker")
