@@ -5,6 +5,8 @@
     dagrl data make arith --out DIR [--seed S]  # the default task as verl-layout parquet
     dagrl bench dataplane [--workers 2,4,8] ... # our reshard vs a single-controller emulation
     dagrl bench learning [--algorithms all]     # reward early vs late for every algorithm
+    dagrl bench rollout                         # our generator vs transformers generate
+    dagrl bench e2e                             # our GRPO step loop vs TRL's GRPOTrainer
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def data_main(argv: Sequence[str]) -> int:
     return 0
 
 
-BENCHMARKS = {"dataplane": "dagrl.bench.dataplane", "learning": "dagrl.bench.learning"}
+BENCHMARKS = {"dataplane": "dagrl.bench.dataplane", "learning": "dagrl.bench.learning",
+              "rollout": "dagrl.bench.rollout", "e2e": "dagrl.bench.e2e"}
 
 
 def bench_main(argv: Sequence[str]) -> int:

@@ -33,47 +33,76 @@ _ALIGN = 8   # bytes: the largest element size we ship (int64 / float64)
 
 
 # --- packing: a Batch <-> one flat uint8 tensor --------------------------------------------------
+# Layout of a chunk: [header length (8 bytes) | pickled header | each tensor field's raw bytes].
+# The header holds the schema (dtype and trailing shape of every tensor field) and the
+# non-tensor fields, so even an empty chunk tells the receiver what the batch looks like. Every
+# section is padded to 8 bytes, so the receiver can view each field in place, and chunks placed
+# back to back in one buffer stay aligned. Rows are gathered straight into the send buffer
+# (one copy) and viewed, not copied, out of the receive buffer.
 def _padding(nbytes: int) -> int:
     return -nbytes % _ALIGN
 
 
-def pack(batch: Batch, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[header length (8 bytes) | pickled header | raw tensor bytes, field after field].
+def _schema(batch: Batch) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+    t = batch.tensors
+    return [(k, t[k].dtype, tuple(t[k].shape[1:])) for k in t.keys()]
 
-    The header holds the schema (dtype and trailing shape of every tensor field) and the
-    non-tensor fields, so even an empty chunk tells the receiver what the batch looks like.
-    Every section is padded to 8 bytes, so the receiver can view each field in place, and
-    chunks placed back to back in one receive buffer stay aligned.
-    """
-    tensors = batch.tensors
-    schema = [(k, str(tensors[k].dtype).removeprefix("torch."), tuple(tensors[k].shape[1:]))
-              for k in tensors.keys()]
-    header = pickle.dumps({"n": len(batch), "schema": schema,
-                           "non_tensors": {k: v for k, v in batch.non_tensors.items()}},
+
+def _field_nbytes(n: int, dtype: torch.dtype, trailing: tuple[int, ...]) -> int:
+    nbytes = n * int(np.prod(trailing, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+    return nbytes + _padding(nbytes)
+
+
+def _chunk_header(batch: Batch, rows: np.ndarray, schema) -> bytes:
+    header = pickle.dumps({"n": len(rows),
+                           "schema": [(k, str(d).removeprefix("torch."), tr) for k, d, tr in schema],
+                           "non_tensors": {k: v[rows] for k, v in batch.non_tensors.items()}},
                           protocol=pickle.HIGHEST_PROTOCOL)
-    header += bytes(_padding(len(header)))
-    parts = [torch.tensor(list(len(header).to_bytes(8, "little")), dtype=torch.uint8),
-             torch.frombuffer(bytearray(header), dtype=torch.uint8)]
-    parts = [p.to(device) for p in parts]
-    for key, _, _ in schema:
-        raw = tensors[key].contiguous().reshape(-1).view(torch.uint8).to(device)
-        parts.append(raw)
-        if _padding(len(raw)):
-            parts.append(torch.zeros(_padding(len(raw)), dtype=torch.uint8, device=device))
-    return torch.cat(parts)
+    return header + bytes(_padding(len(header)))
 
 
-def unpack(buf: torch.Tensor, device: torch.device | str = "cpu") -> Batch:
+def _chunk_size(header: bytes, n: int, schema) -> int:
+    return 8 + len(header) + sum(_field_nbytes(n, d, tr) for _, d, tr in schema)
+
+
+def _write_chunk(out: torch.Tensor, batch: Batch, rows: torch.Tensor, header: bytes,
+                 schema) -> None:
+    """Fill `out` (a uint8 view of exactly the chunk's size) with the rows `rows` of `batch`."""
+    out[:8].copy_(torch.tensor(list(len(header).to_bytes(8, "little")), dtype=torch.uint8))
+    out[8:8 + len(header)].copy_(torch.frombuffer(bytearray(header), dtype=torch.uint8))
+    offset, n = 8 + len(header), len(rows)
+    for key, dtype, trailing in schema:
+        size = _field_nbytes(n, dtype, trailing)
+        raw = size - _padding(n * int(np.prod(trailing, dtype=np.int64))
+                              * torch.empty(0, dtype=dtype).element_size())
+        target = out[offset:offset + raw].view(dtype).view(n, *trailing)
+        src = batch.tensors[key]
+        torch.index_select(src, 0, rows.to(src.device), out=target)
+        offset += size
+
+
+def pack(batch: Batch, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The whole batch as one chunk (see the layout above)."""
+    schema = _schema(batch)
+    rows = np.arange(len(batch))
+    header = _chunk_header(batch, rows, schema)
+    out = torch.empty(_chunk_size(header, len(rows), schema), dtype=torch.uint8, device=device)
+    _write_chunk(out, batch, torch.from_numpy(rows), header, schema)
+    return out
+
+
+def unpack(buf: torch.Tensor, device: torch.device | str = "cpu", *, copy: bool = True) -> Batch:
+    """A chunk back into a Batch; with copy=False its tensors are views into `buf`."""
     head_len = int.from_bytes(bytes(buf[:8].cpu().tolist()), "little")
     header = pickle.loads(buf[8:8 + head_len].cpu().numpy().tobytes())
     n, offset, tensors = header["n"], 8 + head_len, {}
     for key, dtype_name, trailing in header["schema"]:
         dtype = getattr(torch, dtype_name)
-        count = n * int(np.prod(trailing, dtype=np.int64))
-        nbytes = count * torch.empty(0, dtype=dtype).element_size()
-        raw = buf[offset:offset + nbytes].to(device)
-        tensors[key] = raw.view(dtype).reshape(n, *trailing).clone()
-        offset += nbytes + _padding(nbytes)
+        size = _field_nbytes(n, dtype, tuple(trailing))
+        raw = n * int(np.prod(trailing, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+        view = buf[offset:offset + raw].to(device).view(dtype).view(n, *trailing)
+        tensors[key] = view.clone() if copy else view
+        offset += size
     return Batch(tensors, header["non_tensors"], batch_size=n)
 
 
@@ -82,6 +111,8 @@ def _concat_parts(parts: Sequence[Batch]) -> Batch:
     be older than the data's (a rank that skipped a node never saw its new fields), so they are
     left out; when everything is empty, the widest schema stands for the batch."""
     non_empty = [p for p in parts if len(p)]
+    if len(non_empty) == 1:
+        return non_empty[0]   # nothing to merge (received views keep their buffer alive)
     if non_empty:
         return Batch.concat(non_empty)
     return max(parts, key=lambda p: len(p.keys()))
@@ -92,34 +123,34 @@ def _group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def _all_to_all_bytes(send: list[torch.Tensor], group: dist.ProcessGroup | None,
+def _all_to_all_bytes(send: torch.Tensor, send_sizes: list[int], group: dist.ProcessGroup | None,
                       device: torch.device, use_p2p: bool) -> list[torch.Tensor]:
-    """send[d] goes to group rank d; returns recv[s] from group rank s. Sizes first."""
+    """send (one flat buffer, send_sizes[d] bytes for group rank d, in rank order) -> the chunks
+    received from each group rank. Sizes first, then the bytes."""
     world, me = _group_size_rank(group)
-    send_sizes = torch.tensor([len(s) for s in send], dtype=torch.int64, device=device)
-    recv_sizes = torch.empty_like(send_sizes)
-    dist.all_to_all_single(recv_sizes, send_sizes, group=group)
+    sizes = torch.tensor(send_sizes, dtype=torch.int64, device=device)
+    recv_sizes = torch.empty_like(sizes)
+    dist.all_to_all_single(recv_sizes, sizes, group=group)
     recv_list = recv_sizes.tolist()
-    if use_p2p:
-        recv = [torch.empty(size, dtype=torch.uint8, device=device) for size in recv_list]
-        ops = []
-        for peer in range(world):
-            if peer == me:
-                continue
-            global_peer = dist.get_global_rank(group, peer) if group is not None else peer
-            if len(send[peer]):
-                ops.append(dist.P2POp(dist.isend, send[peer], global_peer, group))
-            if recv_list[peer]:
-                ops.append(dist.P2POp(dist.irecv, recv[peer], global_peer, group))
-        if ops:
-            for req in dist.batch_isend_irecv(ops):
-                req.wait()
-        return recv
-    payload = torch.cat(send) if send else torch.empty(0, dtype=torch.uint8, device=device)
     out = torch.empty(sum(recv_list), dtype=torch.uint8, device=device)
-    dist.all_to_all_single(out, payload, output_split_sizes=recv_list,
-                           input_split_sizes=[len(s) for s in send], group=group)
-    return list(out.split(recv_list))
+    if not use_p2p:
+        dist.all_to_all_single(out, send, output_split_sizes=recv_list,
+                               input_split_sizes=send_sizes, group=group)
+        return list(out.split(recv_list))
+    sent, received = send.split(send_sizes), out.split(recv_list)
+    ops = []
+    for peer in range(world):
+        if peer == me:
+            continue
+        global_peer = dist.get_global_rank(group, peer) if group is not None else peer
+        if send_sizes[peer]:
+            ops.append(dist.P2POp(dist.isend, sent[peer], global_peer, group))
+        if recv_list[peer]:
+            ops.append(dist.P2POp(dist.irecv, received[peer], global_peer, group))
+    if ops:
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    return list(received)
 
 
 def exchange(batch: Batch, dest: torch.Tensor | Sequence[int], group: dist.ProcessGroup | None = None,
@@ -132,14 +163,21 @@ def exchange(batch: Batch, dest: torch.Tensor | Sequence[int], group: dist.Proce
     if len(dest) and (int(dest.min()) < 0 or int(dest.max()) >= world):
         raise ValueError(f"exchange: destinations must be group ranks in [0, {world})")
     device = torch.device(device)
-    selections = [torch.nonzero(dest == d).flatten() for d in range(world)]
-    keep = batch.select(selections[me])
-    empty = torch.empty(0, dtype=torch.uint8, device=device)
-    send = [empty if d == me else pack(batch.select(idx), device)
-            for d, idx in enumerate(selections)]
-    recv = _all_to_all_bytes(send, group, device, use_p2p)
-    parts = [keep if s == me else unpack(buf, batch_device(batch, device))
-             for s, buf in enumerate(recv)]
+    rows = [torch.nonzero(dest == d).flatten() for d in range(world)]
+    keep = batch.select(rows[me])
+    # One send buffer, chunks grouped by destination; nothing for ourselves.
+    schema = _schema(batch)
+    headers = [b"" if d == me else _chunk_header(batch, rows[d].numpy(), schema)
+               for d in range(world)]
+    sizes = [0 if d == me else _chunk_size(headers[d], len(rows[d]), schema) for d in range(world)]
+    send = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    for d, chunk in enumerate(send.split(sizes)):
+        if d != me:
+            _write_chunk(chunk, batch, rows[d], headers[d], schema)
+    recv = _all_to_all_bytes(send, sizes, group, device, use_p2p)
+    out_device = batch_device(batch, device)
+    # Views into the receive buffer: the concatenation (always new storage) is the only copy.
+    parts = [keep if s == me else unpack(buf, out_device, copy=False) for s, buf in enumerate(recv)]
     return _concat_parts(parts)
 
 

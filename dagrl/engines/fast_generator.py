@@ -1,0 +1,253 @@
+"""A fast decoder for HF Llama / Qwen2-layout causal LMs: a hand-written forward pass over the
+model's own weight tensors, a preallocated KV cache, and compaction of finished sequences.
+
+Why it is faster than calling the HF model once per step:
+- no per-step module dispatch, mask building, cache bookkeeping or output dataclasses: one
+  decode step is ~10 tensor ops per layer;
+- q/k/v and gate/up projections are fused into one matmul each (the fused copies are built at
+  the start of every `generate` call, so a `load_weights` in between is always seen);
+- the prefill only computes logits at the last prompt column, and skips prompt columns that
+  are padding for every row;
+- a sequence that emitted EOS is dropped from the active batch (and its KV-cache rows with it),
+  so it costs no compute for the rest of the call.
+
+Sampling is `sample_next_token` on the active rows, keyed by each row's own `sample_seed` and
+decode position, so a sequence's tokens do not depend on which batch it is decoded in.
+
+Only exactly supported configurations take this path (`fast_path_unsupported` says why not);
+`Generator` falls back to the HF forward otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from dagrl.algorithms.utils import logprobs_from_logits
+from dagrl.engines.sampling import SamplingParams, sample_next_token
+
+SUPPORTED_CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+
+def fast_path_unsupported(model: torch.nn.Module) -> str | None:
+    """None if `FastDecoder` reproduces `model` exactly, else the reason it cannot."""
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    if SUPPORTED_CLASSES.get(name) is None or config is None:
+        return f"model class {name} is not one of {sorted(SUPPORTED_CLASSES)}"
+    if config.model_type != SUPPORTED_CLASSES[name]:
+        return f"model_type {config.model_type!r} does not match {name}"
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default" or "rope_theta" not in rope:
+        return f"rope parameters {rope!r} (only default RoPE is implemented)"
+    if getattr(config, "use_sliding_window", False):
+        return "sliding-window attention"
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or []):
+        return f"layer types {sorted(set(config.layer_types))} (only full attention)"
+    if config.hidden_act != "silu":
+        return f"activation {config.hidden_act!r} (only silu)"
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp != 1"
+    if getattr(model.config, "quantization_config", None) is not None and \
+            not all(isinstance(m, torch.nn.Linear) and m.weight.is_floating_point()
+                    for m in _linears(model)):
+        return "quantized linear layers"
+    if getattr(model.model.rotary_emb, "attention_scaling", 1.0) != 1.0:
+        return "scaled RoPE attention"
+    return None
+
+
+def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    layers = model.model.layers
+    return [model.lm_head] + [m for layer in layers for m in (
+        layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+        layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj)]
+
+
+def _cat_bias(*linears: torch.nn.Linear) -> torch.Tensor | None:
+    """The fused bias of several projections (zeros for those without one), or None if none has."""
+    if all(m.bias is None for m in linears):
+        return None
+    return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features)
+                      for m in linears])
+
+
+@dataclass
+class _LayerWeights:
+    in_norm: torch.Tensor             # [H]
+    qkv: torch.Tensor                 # [(nh + 2 nkv) * hd, H]  q, k, v projections stacked
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor                   # [H, nh * hd]
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor           # [H]
+    gate_up: torch.Tensor             # [2 I, H]  gate, up stacked
+    gate_up_bias: torch.Tensor | None
+    down: torch.Tensor                # [H, I]
+    down_bias: torch.Tensor | None
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF convention): x [..., hd], cos/sin broadcastable to it."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class FastDecoder:
+    """Decodes a supported HF causal LM (see `fast_path_unsupported`) without its modules."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        reason = fast_path_unsupported(model)
+        if reason is not None:
+            raise ValueError(f"FastDecoder cannot run this model: {reason}")
+        self.model = model
+        cfg = model.config
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.eps = cfg.rms_norm_eps
+
+    def _weights(self) -> tuple[list[_LayerWeights], torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(per-layer weights, embedding [V, H], final norm [H], lm_head [V, H]) read from the
+        model now, so in-place weight updates since the last call are picked up."""
+        m = self.model.model
+        layers = []
+        for layer in m.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            layers.append(_LayerWeights(
+                in_norm=layer.input_layernorm.weight,
+                qkv=torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]),
+                qkv_bias=_cat_bias(attn.q_proj, attn.k_proj, attn.v_proj),
+                o=attn.o_proj.weight, o_bias=attn.o_proj.bias,
+                post_norm=layer.post_attention_layernorm.weight,
+                gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                gate_up_bias=_cat_bias(mlp.gate_proj, mlp.up_proj),
+                down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias))
+        return layers, m.embed_tokens.weight, m.norm.weight, self.model.lm_head.weight
+
+    def _rope_tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [length, hd] for positions 0..length-1, computed as HF's rotary embedding
+        does (position * inv_freq in float32), so indexing them is bit-identical to it."""
+        inv_freq = self.model.model.rotary_emb.inv_freq.to(device=device, dtype=torch.float32)
+        freqs = torch.arange(length, device=device).float()[:, None] * inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        dtype = self.model.dtype
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def _forward(self, layers: list[_LayerWeights], x: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
+                 attn_mask: torch.Tensor) -> torch.Tensor:
+        """Run the decoder layers on T new columns and append their keys/values to the cache.
+
+        x: [A, T, H]; cos/sin: [A, T, hd]; k_cache/v_cache: [L, A, nkv, S, hd], written at
+        columns start..start+T-1; attn_mask: [A, 1, T, start+T] bool (True = attend).
+        Returns the final hidden states [A, T, H] (before the last norm).
+        """
+        rows, cols, hidden = x.shape
+        nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
+        end = start + cols
+        cos, sin = cos[:, None], sin[:, None]                          # [A, 1, T, hd]
+        for i, w in enumerate(layers):
+            h = F.rms_norm(x, (hidden,), w.in_norm, self.eps)
+            qkv = F.linear(h, w.qkv, w.qkv_bias)                       # [A, T, (nh+2nkv)*hd]
+            q, k, v = qkv.view(rows, cols, nh + 2 * nkv, hd).transpose(1, 2).split(
+                [nh, nkv, nkv], dim=1)                                 # [A, heads, T, hd]
+            k_cache[i, :, :, start:end] = _rope(k, cos, sin)
+            v_cache[i, :, :, start:end] = v
+            keys, values = k_cache[i, :, :, :end], v_cache[i, :, :, :end]  # [A, nkv, end, hd]
+            q = _rope(q, cos, sin)
+            if cols == 1:
+                # Decode: fold the query heads that share a KV head into the "query length"
+                # axis, [A, nh, 1, hd] -> [A, nkv, nh/nkv, hd], so GQA needs no copy of the cache.
+                att = F.scaled_dot_product_attention(
+                    q.reshape(rows, nkv, nh // nkv, hd), keys, values, attn_mask=attn_mask)
+                att = att.reshape(rows, 1, nh * hd)
+            else:
+                att = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask,
+                                                     enable_gqa=nh != nkv)  # [A, nh, T, hd]
+                att = att.transpose(1, 2).reshape(rows, cols, nh * hd)
+            x = x + F.linear(att, w.o, w.o_bias)
+            h = F.rms_norm(x, (hidden,), w.post_norm, self.eps)
+            gate, up = F.linear(h, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [A, T, I] each
+            x = x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+        return x
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                 sample_seed: torch.Tensor, params: SamplingParams, *, max_new_tokens: int,
+                 min_new_tokens: int, eos_token_id: int, pad_token_id: int,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample one response per row, as `Generator.generate` specifies.
+
+        prompt_ids/prompt_mask: [B, P] left-padded; sample_seed: [B].
+        Returns (responses [B, R] int64, response_mask [B, R] float32, logprobs [B, R] float32).
+        """
+        device = prompt_ids.device
+        batch, R = prompt_ids.shape[0], max_new_tokens
+        responses = torch.full((batch, R), pad_token_id, dtype=torch.long, device=device)
+        response_mask = torch.zeros(batch, R, device=device)
+        logprobs = torch.zeros(batch, R, device=device)
+        if batch == 0 or R == 0:
+            return responses, response_mask, logprobs
+
+        # Drop the prompt columns that are padding in every row: they change nothing.
+        valid = prompt_mask.bool()
+        first = int(valid.any(0).float().argmax()) if valid.any() else valid.shape[1] - 1
+        prompt_ids, valid = prompt_ids[:, first:], valid[:, first:]
+        P = prompt_ids.shape[1]
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)            # [B, P]
+        cos_table, sin_table = self._rope_tables(P + R, device)          # [P+R, hd]
+
+        layers, embed, final_norm, lm_head = self._weights()
+        cache_shape = (len(layers), batch, self.n_kv, P + R, self.head_dim)
+        k_cache = torch.empty(cache_shape, dtype=embed.dtype, device=device)
+        v_cache = torch.empty(cache_shape, dtype=embed.dtype, device=device)
+        # key_valid[b, s]: may column s be attended to? Prompt padding never; responses always.
+        key_valid = torch.cat([valid, valid.new_ones(batch, R)], dim=1)  # [B, P+R]
+
+        # Prefill: causal attention over real prompt tokens. Pad query rows also attend to
+        # themselves so no softmax row is empty (an all-masked row gives NaN; pad rows' outputs
+        # are never used).
+        causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+        prefill_mask = (causal & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)
+        x = self._forward(layers, F.embedding(prompt_ids, embed), cos_table[positions],
+                          sin_table[positions], k_cache, v_cache, 0, prefill_mask[:, None])
+        logits = F.linear(F.rms_norm(x[:, -1], (x.shape[-1],), final_norm, self.eps),
+                          lm_head).float()                                  # [B, V]
+
+        # The active batch: rows still decoding, as indices into the output rows.
+        rows = torch.arange(batch, device=device)
+        seeds, pos = sample_seed, positions[:, -1] + 1                  # [A], next position [A]
+        temperature = params.temperature if params.temperature > 0 else 1.0
+        for t in range(R):
+            allowed = logits
+            if t < min_new_tokens:
+                allowed = logits.clone()
+                allowed[:, eos_token_id] = float("-inf")
+            token = sample_next_token(allowed, params, seeds, t)            # [A]
+            # The log-prob under the model's own distribution (not the EOS-masked one): the
+            # quantity the actor recomputes.
+            responses[rows, t] = token
+            logprobs[rows, t] = logprobs_from_logits(logits / temperature, token)
+            response_mask[rows, t] = 1.0
+            if t == R - 1:
+                break
+            done = token == eos_token_id
+            if bool(done.any()):
+                keep = ~done
+                rows, token, seeds, pos = rows[keep], token[keep], seeds[keep], pos[keep]
+                if rows.numel() == 0:
+                    break
+                k_cache, v_cache = k_cache[:, keep], v_cache[:, keep]
+                key_valid = key_valid[keep]
+            col = P + t
+            x = self._forward(layers, F.embedding(token[:, None], embed), cos_table[pos][:, None],
+                              sin_table[pos][:, None], k_cache, v_cache, col,
+                              key_valid[:, None, None, :col + 1])
+            logits = F.linear(F.rms_norm(x[:, 0], (x.shape[-1],), final_norm, self.eps),
+                              lm_head).float()
+            pos = pos + 1
+        return responses, response_mask, logprobs
