@@ -227,7 +227,7 @@ def gae_by_definition(rewards, values, mask, gamma, lam):
         v = [values[i, t].item() for t in range(n)] + [0.0]
         delta = [rewards[i, t].item() + gamma * v[t + 1] - v[t] for t in range(n)]
         for t in range(n):
-            adv[i, t] = sum((gamma * lam) ** l * delta[t + l] for l in range(n - t))
+            adv[i, t] = sum((gamma * lam) ** length * delta[t + length] for length in range(n - t))
     return adv
 
 

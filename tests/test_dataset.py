@@ -83,7 +83,9 @@ def test_long_prompt_errors_or_truncates(arith_files, tokenizer):
 
 def test_epochs_cover_dataset_and_state_resumes(arith_files, tokenizer):
     source = ParquetPrompts([str(arith_files["train"])])   # 400 rows
-    make = lambda: PromptLoader(source, tokenizer, batch_size=32, seed=3, max_prompt_length=16)
+    def make():
+        return PromptLoader(source, tokenizer, batch_size=32, seed=3, max_prompt_length=16)
+
     loader = make()
     assert loader.batches_per_epoch == 12 and loader.dropped_per_epoch == 16
     seen = np.concatenate([loader.next_batch()["row_index"].numpy() for _ in range(12)])
@@ -110,3 +112,15 @@ def test_worker_slices_concatenate_to_the_global_batch(arith_files, tokenizer):
              for r in range(4)]
     assert np.concatenate([p["row_index"].numpy() for p in parts]).tolist() == \
         whole["row_index"].tolist()
+
+
+def test_tail_pad_fills_the_last_batch_from_the_next_epoch(arith_files, tokenizer):
+    source = ParquetPrompts([str(arith_files["train"])])   # 400 rows: 12 full batches + 16
+    loader = PromptLoader(source, tokenizer, batch_size=32, seed=3, max_prompt_length=16,
+                          tail="pad")
+    assert loader.batches_per_epoch == 13 and loader.dropped_per_epoch == 0
+    batches = [loader.next_batch()["row_index"].tolist() for _ in range(13)]
+    epoch0 = [r for b in batches for r in b]
+    assert set(epoch0[:400]) == set(range(400))             # every row of the epoch is used
+    assert epoch0[400:] == loader.epoch_order(1)[:16].tolist()   # padded from the next order
+    assert loader.epoch == 1 and loader.batch_in_epoch == 0

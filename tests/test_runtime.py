@@ -11,7 +11,6 @@ import sys
 import textwrap
 import time
 
-import numpy as np
 import pytest
 
 from dagrl.config.loader import load_config
@@ -103,9 +102,11 @@ def _loader_shards(rank, world, files, restore_at):
     from dagrl.engines.models import build_char_tokenizer
 
     tok = build_char_tokenizer()
-    make = lambda shuffle=True: PromptLoader(ParquetPrompts(files), tok, batch_size=32, rank=rank,
-                                             world_size=world, seed=5, shuffle=shuffle,
-                                             max_prompt_length=16)
+
+    def make(shuffle=True):
+        return PromptLoader(ParquetPrompts(files), tok, batch_size=32, rank=rank,
+                            world_size=world, seed=5, shuffle=shuffle, max_prompt_length=16)
+
     loader = make()
     epoch0 = [loader.next_batch()["row_index"].tolist() for _ in range(loader.batches_per_epoch)]
     loader = make()
