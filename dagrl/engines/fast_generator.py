@@ -89,11 +89,13 @@ class _LayerWeights:
     down_bias: torch.Tensor | None
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF convention): x [..., hd], cos/sin broadcastable to it."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (HF convention) in 4 ops: x [..., hd], cos/signed_sin broadcastable.
+
+    HF's rotate_half(x) * sin = cat(-x2, x1) * sin = roll(x, hd/2) * cat(-sin1, sin2): the sign
+    moves into the table (exact in floating point), saving the negation and the concatenation.
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class FastDecoder:
@@ -129,13 +131,14 @@ class FastDecoder:
         return layers, m.embed_tokens.weight, m.norm.weight, self.model.lm_head.weight
 
     def _rope_tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [length, hd] for positions 0..length-1, computed as HF's rotary embedding
-        does (position * inv_freq in float32), so indexing them is bit-identical to it."""
+        """cos, signed sin [length, hd] for positions 0..length-1 (see `_rope`), computed as
+        HF's rotary embedding does (position * inv_freq in float32), so the values match it."""
         inv_freq = self.model.model.rotary_emb.inv_freq.to(device=device, dtype=torch.float32)
         freqs = torch.arange(length, device=device).float()[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
         dtype = self.model.dtype
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos = torch.cat((freqs.cos(), freqs.cos()), dim=-1)
+        signed_sin = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        return cos.to(dtype), signed_sin.to(dtype)
 
     def _forward(self, layers: list[_LayerWeights], x: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, start: int,
@@ -143,7 +146,7 @@ class FastDecoder:
         """Run the decoder layers on T new columns and append their keys/values to the cache.
 
         x: [A, T, H]; cos/sin: [A, T, hd]; k_cache/v_cache: [L, A, nkv, S, hd], written at
-        columns start..start+T-1; attn_mask: [A, 1, T, start+T] bool (True = attend).
+        columns start..start+T-1; attn_mask: [A, 1, T, start+T] additive (0 or -inf).
         Returns the final hidden states [A, T, H] (before the last norm).
         """
         rows, cols, hidden = x.shape
@@ -153,18 +156,20 @@ class FastDecoder:
         for i, w in enumerate(layers):
             h = F.rms_norm(x, (hidden,), w.in_norm, self.eps)
             qkv = F.linear(h, w.qkv, w.qkv_bias)                       # [A, T, (nh+2nkv)*hd]
-            q, k, v = qkv.view(rows, cols, nh + 2 * nkv, hd).transpose(1, 2).split(
-                [nh, nkv, nkv], dim=1)                                 # [A, heads, T, hd]
-            k_cache[i, :, :, start:end] = _rope(k, cos, sin)
-            v_cache[i, :, :, start:end] = v
+            qkv = qkv.view(rows, cols, nh + 2 * nkv, hd).transpose(1, 2)  # [A, heads, T, hd]
+            qk = _rope(qkv[:, :nh + nkv], cos, sin)      # q and k heads rotated in one go
+            q = qk[:, :nh]
+            k_cache[i, :, :, start:end] = qk[:, nh:]
+            v_cache[i, :, :, start:end] = qkv[:, nh + nkv:]
             keys, values = k_cache[i, :, :, :end], v_cache[i, :, :, :end]  # [A, nkv, end, hd]
-            q = _rope(q, cos, sin)
             if cols == 1:
-                # Decode: fold the query heads that share a KV head into the "query length"
-                # axis, [A, nh, 1, hd] -> [A, nkv, nh/nkv, hd], so GQA needs no copy of the cache.
-                att = F.scaled_dot_product_attention(
-                    q.reshape(rows, nkv, nh // nkv, hd), keys, values, attn_mask=attn_mask)
-                att = att.reshape(rows, 1, nh * hd)
+                # Decode: fold the query heads that share a KV head into one axis,
+                # [A, nh, 1, hd] -> [A, nkv, nh/nkv, hd], so GQA needs no copy of the cache.
+                # Plain matmul-softmax-matmul: for a one-token query SDPA's CPU kernel costs
+                # more per call than the math (measured: ~40% of a tiny-model decode step).
+                scores = torch.matmul(q.reshape(rows, nkv, nh // nkv, hd), keys.transpose(-1, -2))
+                scores = scores.mul_(hd ** -0.5).add_(attn_mask)        # [A, nkv, nh/nkv, end]
+                att = torch.matmul(scores.softmax(-1), values).reshape(rows, 1, nh * hd)
             else:
                 att = F.scaled_dot_product_attention(q, keys, values, attn_mask=attn_mask,
                                                      enable_gqa=nh != nkv)  # [A, nh, T, hd]
@@ -205,16 +210,19 @@ class FastDecoder:
         cache_shape = (len(layers), batch, self.n_kv, P + R, self.head_dim)
         k_cache = torch.empty(cache_shape, dtype=embed.dtype, device=device)
         v_cache = torch.empty(cache_shape, dtype=embed.dtype, device=device)
-        # key_valid[b, s]: may column s be attended to? Prompt padding never; responses always.
-        key_valid = torch.cat([valid, valid.new_ones(batch, R)], dim=1)  # [B, P+R]
+        # key_bias[b, s]: 0 where column s may be attended to, -inf for prompt padding.
+        key_bias = torch.zeros(batch, P + R, dtype=embed.dtype, device=device)
+        key_bias[:, :P].masked_fill_(~valid, float("-inf"))            # [B, P+R]
 
         # Prefill: causal attention over real prompt tokens. Pad query rows also attend to
         # themselves so no softmax row is empty (an all-masked row gives NaN; pad rows' outputs
         # are never used).
         causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
-        prefill_mask = (causal & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)
+        allowed = (causal & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)
+        prefill_bias = torch.zeros(allowed.shape, dtype=embed.dtype, device=device).masked_fill(
+            ~allowed, float("-inf"))                                       # [B, P, P]
         x = self._forward(layers, F.embedding(prompt_ids, embed), cos_table[positions],
-                          sin_table[positions], k_cache, v_cache, 0, prefill_mask[:, None])
+                          sin_table[positions], k_cache, v_cache, 0, prefill_bias[:, None])
         logits = F.linear(F.rms_norm(x[:, -1], (x.shape[-1],), final_norm, self.eps),
                           lm_head).float()                                  # [B, V]
 
@@ -242,11 +250,11 @@ class FastDecoder:
                 if rows.numel() == 0:
                     break
                 k_cache, v_cache = k_cache[:, keep], v_cache[:, keep]
-                key_valid = key_valid[keep]
+                key_bias = key_bias[keep]
             col = P + t
             x = self._forward(layers, F.embedding(token[:, None], embed), cos_table[pos][:, None],
                               sin_table[pos][:, None], k_cache, v_cache, col,
-                              key_valid[:, None, None, :col + 1])
+                              key_bias[:, None, None, :col + 1])
             logits = F.linear(F.rms_norm(x[:, 0], (x.shape[-1],), final_norm, self.eps),
                               lm_head).float()
             pos = pos + 1

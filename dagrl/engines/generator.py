@@ -1,11 +1,15 @@
 """The built-in rollout generator: batched KV-cache decoding of a HF causal LM.
 
+Llama / Qwen2-layout models decode on the fast path (`dagrl.engines.fast_generator`: own
+forward pass over the model's weights, preallocated KV cache, finished rows compacted out);
+every other architecture uses the HF-forward loop below. Both produce the same outputs.
+
 Input prompts are left-padded to a fixed width P, so every sequence's last prompt token sits in
 column P-1 and one batched prefill serves all of them. Decoding appends one token per step for
-the whole batch; a sequence that has emitted EOS keeps decoding pad tokens (masked out) until
-every sequence is done or max_new_tokens is reached. Responses are right-padded to exactly
-max_new_tokens columns, so batches from different steps or workers concatenate without
-re-padding.
+the whole batch; in the HF loop a sequence that has emitted EOS keeps decoding pad tokens
+(masked out) until every sequence is done or max_new_tokens is reached. Responses are
+right-padded to exactly max_new_tokens columns, so batches from different steps or workers
+concatenate without re-padding.
 
 The returned log-probs are log softmax(z / T) at the sampled token (T = 1 for greedy), the same
 quantity the actor recomputes in training, before any top-k/top-p truncation.
@@ -20,6 +24,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from dagrl.algorithms.utils import logprobs_from_logits
+from dagrl.engines.fast_generator import FastDecoder, fast_path_unsupported
 from dagrl.engines.sampling import SamplingParams, sample_next_token
 
 
@@ -42,11 +47,15 @@ class Generator:
     each update the actor's full weights are copied in with `load_weights`.
     """
 
-    def __init__(self, model: PreTrainedModel, *, eos_token_id: int, pad_token_id: int) -> None:
+    def __init__(self, model: PreTrainedModel, *, eos_token_id: int, pad_token_id: int,
+                 fast: bool = True) -> None:
         self.model = model.eval().requires_grad_(False)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
         self.weights_version = 0
+        # The fast decoder reads the model's own weight tensors on every call, so in-place
+        # `load_weights` updates reach it with nothing to resynchronise.
+        self.fast = FastDecoder(model) if fast and fast_path_unsupported(model) is None else None
 
     @torch.no_grad()
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -68,6 +77,12 @@ class Generator:
                  sample_seed: torch.Tensor, params: SamplingParams, *, max_new_tokens: int,
                  min_new_tokens: int = 0) -> GenerationOutput:
         """Sample one response per row. prompt_ids/prompt_mask: [B, P] left-padded; sample_seed: [B]."""
+        if self.fast is not None:
+            responses, mask, logprobs = self.fast.generate(
+                prompt_ids, prompt_mask, sample_seed, params, max_new_tokens=max_new_tokens,
+                min_new_tokens=min_new_tokens, eos_token_id=self.eos_token_id,
+                pad_token_id=self.pad_token_id)
+            return GenerationOutput(responses=responses, response_mask=mask, logprobs=logprobs)
         device = prompt_ids.device
         batch, _ = prompt_ids.shape
         attention = prompt_mask.long()

@@ -1,0 +1,299 @@
+"""A full GRPO step loop of ours beside TRL's GRPOTrainer, on the same workload, in one run.
+
+    dagrl bench e2e                         # 20 steps each; installs TRL into a venv if absent
+    dagrl bench e2e --json runs/e2e.json    # also write every figure
+    dagrl bench e2e --sides ours --steps 3  # only our side (no TRL, no venv)
+
+The workload (the issue's): a randomly initialised Qwen2 (hidden 128, 4 layers, 4 heads, 2 KV
+heads, intermediate 512, tied embeddings) with the character tokenizer, written once as a HF
+directory that both sides load, so they start from identical weights; prompts `a+b=` with
+a, b in [0, 20]; 8 prompts x 8 samples = 64 completions per step, each exactly 32 tokens
+(EOS masked until then on both sides); temperature 1; no KL term; one optimizer step per
+batch; 2 torch threads; the first step (warm-up) excluded from the figures.
+
+It prints completion tokens per second of wall time for each side and their ratio, and a
+hardware limit for the same work: FLOPs per step (see `step_flops`) over the measured float32
+matmul rate of this machine at the same thread count.
+
+TRL runs in its own virtual environment (default ~/.cache/dagrl-bench/trl-venv), created on
+first use with torch pinned to 2.13.0, so installing it never touches this environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from dagrl.engines.models import CHARACTERS, SPECIAL_TOKENS
+
+TRL_PINS = ("torch==2.13.0", "trl==1.16.0", "transformers==5.23.0")
+DEFAULT_VENV = Path.home() / ".cache" / "dagrl-bench" / "trl-venv"
+HIDDEN, LAYERS, HEADS, KV_HEADS, INTERMEDIATE = 128, 4, 4, 2, 512
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    steps: int = 20
+    prompts: int = 8
+    samples: int = 8
+    tokens: int = 32
+    threads: int = 2
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.prompts * self.samples * self.tokens
+
+
+def summarize(step_seconds: list[float], cpu_seconds: list[float], work: Workload) -> dict:
+    """Completion tokens/s over steps 2..N: the mean (total tokens / total time), the median
+    and the fastest step's rate, and tokens per process CPU-second. On a machine others load
+    the fastest step is the closest to a quiet-machine figure: contention only ever slows a
+    step (CPU time is inflated too, by threads spinning while their peers wait for a core)."""
+    timed, cpu = step_seconds[1:] or step_seconds, cpu_seconds[1:] or cpu_seconds
+    return {"step_seconds": step_seconds, "step_cpu_seconds": cpu_seconds,
+            "tokens_per_s": work.completion_tokens * len(timed) / sum(timed),
+            "tokens_per_s_median": work.completion_tokens / statistics.median(timed),
+            "tokens_per_s_best": work.completion_tokens / min(timed),
+            "tokens_per_cpu_s": work.completion_tokens * len(cpu) / sum(cpu)}
+
+
+# --- the shared artefacts ----------------------------------------------------------------------
+
+def write_workload(root: Path) -> tuple[Path, Path]:
+    """The model directory and the prompt parquet both sides read; checks the model is the
+    issue's (write_tiny_model's builtin shape, which derives intermediate = 4 * hidden)."""
+    from transformers import AutoConfig
+
+    from dagrl.data.makers import make_arith
+    from dagrl.engines.models import write_tiny_model
+
+    model = write_tiny_model(root / "model", "tiny-qwen2", hidden_size=HIDDEN, layers=LAYERS,
+                             seed=0)
+    c = AutoConfig.from_pretrained(model, local_files_only=True)
+    got = (c.model_type, c.hidden_size, c.num_hidden_layers, c.num_attention_heads,
+           c.num_key_value_heads, c.intermediate_size, c.tie_word_embeddings)
+    want = ("qwen2", HIDDEN, LAYERS, HEADS, KV_HEADS, INTERMEDIATE, True)
+    if got != want:
+        raise RuntimeError(f"workload model is {got}, expected {want}")
+    data = make_arith(root / "data", seed=0)["train"]
+    return model, data
+
+
+# --- our side ----------------------------------------------------------------------------------
+
+def run_ours(model: Path, data: Path, work: Workload, run_dir: Path) -> dict:
+    """Our GRPO loop in this process; each step timed by wall clock around the worker's step
+    and its logging (what `dagrl train` does between two steps)."""
+    from dagrl.config.presets import load_run_config
+    from dagrl.runtime.launch import prepare_run
+    from dagrl.runtime.worker import Worker
+
+    cfg = load_run_config(None, [
+        f"model.path={model}", f"data.train_files=[{data}]", "data.max_prompt_length=8",
+        f"data.train_batch_size={work.prompts}", f"actor.mini_batch_size={work.prompts}",
+        f"rollout.n={work.samples}", "rollout.temperature=1.0",
+        f"rollout.max_new_tokens={work.tokens}", f"rollout.min_new_tokens={work.tokens}",
+        "algorithm.name=grpo", "algorithm.kl_loss_coef=0",
+        f"trainer.total_steps={work.steps}", f"trainer.torch_threads={work.threads}",
+        "trainer.device=cpu", f"trainer.run_dir={run_dir}",
+        "logging.backends=[jsonl]", "logging.progress_bar=false"])
+    worker = Worker(prepare_run(cfg))
+    seconds, cpu_seconds, lengths = [], [], []
+    try:
+        for step in range(1, work.steps + 1):
+            start, cpu_start = time.perf_counter(), time.process_time()
+            metrics = worker.run_step(step)
+            worker.logger.log(step, metrics)
+            seconds.append(time.perf_counter() - start)
+            cpu_seconds.append(time.process_time() - cpu_start)
+            lengths.append(metrics["response/length/mean"])
+            print(f"  ours step {step}: {seconds[-1]:.2f}s", flush=True)
+    finally:
+        worker.logger.close()
+    return {**summarize(seconds, cpu_seconds, work), "mean_length": lengths, "metrics": str(run_dir)}
+
+
+# --- TRL's side --------------------------------------------------------------------------------
+
+def ensure_trl_venv(venv: Path) -> Path:
+    """The venv's python, creating the venv and installing TRL on first use. A constraints
+    file holds torch at 2.13.0 so no dependency can pull another (e.g. a CUDA) build."""
+    python = venv / "bin" / "python"
+    probe = [str(python), "-c", "import trl, torch; assert torch.__version__.startswith('2.13.0')"]
+    if python.exists() and subprocess.run(probe, capture_output=True, check=False).returncode == 0:
+        return python
+    print(f"installing {', '.join(TRL_PINS)} into {venv} (once)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write("torch==2.13.0\n")
+    try:
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "-c", f.name, *TRL_PINS],
+                       check=True)
+    finally:
+        os.unlink(f.name)
+    return python
+
+
+def run_trl(python: Path, model: Path, data: Path, work: Workload, out: Path) -> dict:
+    worker = Path(__file__).with_name("_trl_worker.py")
+    cmd = [str(python), str(worker), "--model", str(model), "--data", str(data),
+           "--out", str(out), "--steps", str(work.steps), "--prompts", str(work.prompts),
+           "--samples", str(work.samples), "--tokens", str(work.tokens),
+           "--threads", str(work.threads)]
+    env = {**os.environ, "OMP_NUM_THREADS": str(work.threads), "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONWARNINGS": "ignore"}
+    subprocess.run(cmd, check=True, env=env, stdout=subprocess.DEVNULL)
+    result = json.loads(out.read_text())
+    return {**summarize(result.pop("step_seconds"), result.pop("step_cpu_seconds"), work),
+            **result}
+
+
+# --- the hardware limit ------------------------------------------------------------------------
+
+def matmul_gflops(threads: int, n: int = 1024, repeats: int = 20) -> float:
+    """Best float32 GFLOP/s of an n x n matmul at `threads` threads (best, not mean: the limit
+    is what the cores can do, and other load on the machine only lowers a sample)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    try:
+        torch.mm(a, b)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
+    return 2 * n**3 / best / 1e9
+
+
+def step_flops(work: Workload, prompt_tokens: float, vocab: int) -> dict:
+    """FLOPs of one GRPO step of useful work (no padding), float32, counting multiply-adds as 2.
+
+    P = matmul weights a token passes through = layers * (2 H^2 [q, o] + 2 H * kv_dim [k, v]
+        + 3 H * I [gate, up, down]) + V * H [tied LM head]      (the embedding lookup is free)
+    attention (QK^T and AV) at context c costs 4 * c * H per token per layer, forward.
+    With S = prompt + completion tokens per sequence and B = prompts x samples sequences:
+      generation  = B * (2 P S + 4 H L sum_{c=1..S} c)           (prefill + decode, KV cache)
+      old logprob = the same forward over the S tokens, once      (x1)
+      update      = forward + backward = 3 x forward              (x3)
+    so a step is 5 forwards of the batch; the generation forward is the same count as the
+    teacher-forced one because a KV cache makes each new token cost one token's forward.
+    TRL skips the old-logprob forward when each batch gets one optimizer step (its old
+    log-probs equal the detached new ones), so its own work is 4 forwards; the limit below is
+    for the 5-forward count of the brief's formula.
+    """
+    kv_dim = HIDDEN // HEADS * KV_HEADS
+    params = LAYERS * (2 * HIDDEN**2 + 2 * HIDDEN * kv_dim + 3 * HIDDEN * INTERMEDIATE) \
+        + vocab * HIDDEN
+    seq = prompt_tokens + work.tokens
+    batch = work.prompts * work.samples
+    forward = batch * (2 * params * seq + 4 * HIDDEN * LAYERS * seq * (seq + 1) / 2)
+    return {"matmul_params": params, "seq_tokens": seq, "forward": forward,
+            "generation": forward, "old_logprob": forward, "update": 3 * forward,
+            "total": 5 * forward}
+
+
+def mean_prompt_tokens(data: Path) -> float:
+    """Prompt tokens per sequence as both sides feed them: `<bos>` + one token per character."""
+    import pyarrow.parquet as pq
+
+    prompts = pq.read_table(data, columns=["prompt"]).column("prompt").to_pylist()
+    return statistics.mean(1 + len(p[0]["content"]) for p in prompts)
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="dagrl bench e2e", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=20, help="steps per side; the first is "
+                        "excluded from the figures")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=32, help="completion tokens per sample")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads on each side")
+    parser.add_argument("--sides", default="ours,trl", help="ours, trl, or ours,trl")
+    parser.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="TRL's venv")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench-e2e"),
+                        help="model, data and our run's metrics.jsonl go here")
+    parser.add_argument("--json", type=Path, help="also write every figure to this file")
+    ns = parser.parse_args(argv)
+    sides = set(ns.sides.split(","))
+    if not sides or not sides <= {"ours", "trl"}:
+        parser.error("--sides takes ours, trl or ours,trl")
+    work = Workload(ns.steps, ns.prompts, ns.samples, ns.tokens, ns.threads)
+
+    python = ensure_trl_venv(ns.venv) if "trl" in sides else None
+    ns.out.mkdir(parents=True, exist_ok=True)
+    gflops_before = matmul_gflops(work.threads)
+    model, data = write_workload(ns.out)
+    results: dict = {"workload": dataclasses.asdict(work), "cpus": os.cpu_count(),
+                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    # Both sides run one after the other on a machine others may share: the load average
+    # beside each figure says whether it was measured on a quiet machine.
+    if "ours" in sides:
+        load = os.getloadavg()[0]
+        results["ours"] = {**run_ours(model, data, work, ns.out / "ours-run"), "load_before": load,
+                           "load_after": os.getloadavg()[0]}
+    if "trl" in sides:
+        load = os.getloadavg()[0]
+        results["trl"] = {**run_trl(python, model, data, work, ns.out / "trl.json"),
+                          "load_before": load, "load_after": os.getloadavg()[0]}
+
+    # Best of before and after: the machine's rate, not whatever load it had at one moment.
+    gflops = max(gflops_before, matmul_gflops(work.threads))
+    flops = step_flops(work, mean_prompt_tokens(data), vocab=len(SPECIAL_TOKENS + CHARACTERS))
+    limit_s = flops["total"] / (gflops * 1e9)
+    results["limit"] = {"matmul_gflops": gflops, "flops": flops, "step_s": limit_s,
+                        "tokens_per_s": work.completion_tokens / limit_s}
+    print(f"\nworkload: {work.prompts} prompts x {work.samples} samples x {work.tokens} tokens "
+          f"= {work.completion_tokens} completion tokens/step, {work.steps} steps (first "
+          f"excluded), {work.threads} threads, {os.cpu_count()} CPUs")
+    for side in ("ours", "trl"):
+        if side in results:
+            r = results[side]
+            r["fraction_of_limit"] = r["tokens_per_s"] / results["limit"]["tokens_per_s"]
+            print(f"{side:>5}: {r['tokens_per_s']:8.1f} completion tokens/s (median step "
+                  f"{r['tokens_per_s_median']:.1f}, best step {r['tokens_per_s_best']:.1f}; "
+                  f"{r['tokens_per_cpu_s']:.1f} per CPU-s), "
+                  "mean completion length "
+                  f"{statistics.mean(r['mean_length']):.1f}, {r['fraction_of_limit']:.1%} of the "
+                  f"limit, load {r['load_before']:.1f} -> {r['load_after']:.1f}")
+    if {"ours", "trl"} <= sides:
+        ratio = results["ours"]["tokens_per_s"] / results["trl"]["tokens_per_s"]
+        results["ratio"] = ratio
+        results["ratio_median"] = (results["ours"]["tokens_per_s_median"]
+                                   / results["trl"]["tokens_per_s_median"])
+        results["ratio_best"] = (results["ours"]["tokens_per_s_best"]
+                                 / results["trl"]["tokens_per_s_best"])
+        results["ratio_cpu"] = (results["ours"]["tokens_per_cpu_s"]
+                                / results["trl"]["tokens_per_cpu_s"])
+        print(f"ratio: ours / TRL = {ratio:.2f}x (median steps {results['ratio_median']:.2f}x, "
+              f"best steps {results['ratio_best']:.2f}x, per CPU-s {results['ratio_cpu']:.2f}x; "
+              "target >= 2x: "
+              f"{'met' if ratio >= 2 else 'NOT met'})")
+    print(f"limit: {flops['total'] / 1e9:.2f} GFLOP/step (5 forwards of {flops['seq_tokens']:.1f} "
+          f"tokens x {work.prompts * work.samples} sequences, {flops['matmul_params']:,} matmul "
+          f"params) at {gflops:.1f} GFLOP/s = {limit_s * 1e3:.0f} ms/step = "
+          f"{results['limit']['tokens_per_s']:.0f} completion tokens/s")
+    if ns.json:
+        ns.json.parent.mkdir(parents=True, exist_ok=True)
+        ns.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

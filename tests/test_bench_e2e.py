@@ -1,0 +1,43 @@
+"""Smoke test of `dagrl bench e2e`, our side only: a tiny workload, no TRL, no timing asserts."""
+
+from __future__ import annotations
+
+import json
+
+from dagrl.bench import e2e
+
+
+def test_our_side_runs_and_reports_against_the_limit(tmp_path, capsys):
+    out = tmp_path / "result.json"
+    rc = e2e.main(["--sides", "ours", "--steps", "2", "--prompts", "2", "--samples", "2",
+                   "--tokens", "4", "--out", str(tmp_path / "run"), "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "ours:" in printed and "limit:" in printed and "ratio" not in printed
+
+    data = json.loads(out.read_text())
+    assert "trl" not in data
+    ours = data["ours"]
+    assert len(ours["step_seconds"]) == 2
+    assert ours["mean_length"] == [4.0, 4.0]            # min = max new tokens on our side
+    assert ours["tokens_per_s"] > 0 and ours["fraction_of_limit"] > 0
+    assert data["limit"]["matmul_gflops"] > 0 and data["limit"]["tokens_per_s"] > 0
+    assert (tmp_path / "run" / "ours-run" / "metrics.jsonl").exists()
+
+
+def test_flops_count_the_workload_model():
+    work = e2e.Workload()
+    flops = e2e.step_flops(work, prompt_tokens=6.0, vocab=48)
+    # 4 layers x (2*128^2 + 2*128*64 + 3*128*512) + 48*128 tied head
+    assert flops["matmul_params"] == 4 * (32768 + 16384 + 196608) + 6144
+    assert flops["total"] == flops["generation"] + flops["old_logprob"] + flops["update"]
+    assert flops["update"] == 3 * flops["forward"]
+
+
+def test_first_step_is_excluded():
+    work = e2e.Workload(prompts=1, samples=1, tokens=10)
+    summary = e2e.summarize([100.0, 1.0, 1.0, 4.0], [200.0, 2.0, 2.0, 2.0], work)
+    assert summary["tokens_per_s"] == 10 * 3 / 6.0
+    assert summary["tokens_per_s_median"] == 10.0
+    assert summary["tokens_per_s_best"] == 10.0
+    assert summary["tokens_per_cpu_s"] == 5.0

@@ -1,0 +1,168 @@
+"""The fast decoder against transformers' generate, a forward pass and the HF-forward generator."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from dagrl.engines.fast_generator import FastDecoder, fast_path_unsupported
+from dagrl.engines.forward import response_logprobs
+from dagrl.engines.generator import Generator
+from dagrl.engines.models import load_model, load_tokenizer, write_tiny_model
+from dagrl.engines.sampling import SamplingParams, mix_seed
+
+PROMPTS = ["1+2=", "13+7=", "4+4=", "20+19=", "0+0=", "99*9=", "a", "abc+def=xyz"]
+
+
+@pytest.fixture(scope="module", params=["tiny-qwen2", "tiny-llama"])
+def family_dir(request, tmp_path_factory):
+    return write_tiny_model(tmp_path_factory.mktemp("fast") / request.param, request.param)
+
+
+@pytest.fixture()
+def setup(family_dir):
+    """(model, tokenizer, prompt ids [B, 14], prompt mask [B, 14]) with left padding."""
+    model, tok = load_model(str(family_dir)), load_tokenizer(str(family_dir))
+    width = 14
+    ids = torch.full((len(PROMPTS), width), tok.pad_token_id)
+    mask = torch.zeros(len(PROMPTS), width, dtype=torch.long)
+    for i, text in enumerate(PROMPTS):
+        toks = [tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"]
+        ids[i, width - len(toks):] = torch.tensor(toks)
+        mask[i, width - len(toks):] = 1
+    return model, tok, ids, mask
+
+
+def generators(model, tok) -> tuple[Generator, Generator]:
+    kwargs = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    fast, slow = Generator(model, **kwargs), Generator(model, **kwargs, fast=False)
+    assert fast.fast is not None and slow.fast is None
+    return fast, slow
+
+
+def seeds_for(n: int, salt: int = 0) -> torch.Tensor:
+    return mix_seed(salt, 1, torch.arange(n), torch.zeros(n, dtype=torch.long))
+
+
+def test_greedy_identical_to_transformers_generate(setup):
+    model, tok, ids, mask = setup
+    fast, _ = generators(model, tok)
+    ours = fast.generate(ids, mask, seeds_for(len(PROMPTS)), SamplingParams(temperature=0),
+                         max_new_tokens=16)
+    batched = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    for i in range(len(PROMPTS)):
+        row = ids[i][mask[i].bool()][None]   # alone and unpadded: no padding effects on HF's side
+        alone = model.generate(row, attention_mask=torch.ones_like(row), do_sample=False,
+                               max_new_tokens=16, eos_token_id=tok.eos_token_id,
+                               pad_token_id=tok.pad_token_id)[0, row.shape[1]:]
+        n = int(ours.response_mask[i].sum())
+        assert ours.responses[i, :n].tolist() == alone[:n].tolist()
+        assert n == len(alone) or alone[n - 1] == tok.eos_token_id
+        assert ours.responses[i, :n].tolist() == batched[i, ids.shape[1]:][:n].tolist()
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.7),
+                                    SamplingParams(temperature=1.0, top_k=20, top_p=0.9),
+                                    SamplingParams(temperature=0)])
+def test_logprobs_match_forward(setup, params):
+    model, tok, ids, mask = setup
+    fast, _ = generators(model, tok)
+    out = fast.generate(ids, mask, seeds_for(len(PROMPTS)), params, max_new_tokens=12)
+    ref = response_logprobs(model, ids, mask, out.responses, out.response_mask,
+                            temperature=params.temperature or 1.0).logprobs
+    assert out.response_mask.sum() > len(PROMPTS)
+    torch.testing.assert_close(out.logprobs, ref, atol=1e-4, rtol=0)
+
+
+def test_sample_alone_equals_sample_in_batch(setup):
+    model, tok, ids, mask = setup
+    fast, _ = generators(model, tok)
+    params = SamplingParams(temperature=1.0, top_k=20, top_p=0.95)
+    seeds = seeds_for(len(PROMPTS), salt=7)
+    full = fast.generate(ids, mask, seeds, params, max_new_tokens=10)
+    for i in (0, 5, 7):
+        # Alone, and with its prompt padding removed: the sample must not notice either.
+        keep = mask[i].bool()
+        alone = fast.generate(ids[i:i + 1, keep], mask[i:i + 1, keep], seeds[i:i + 1], params,
+                              max_new_tokens=10)
+        assert alone.responses[0].tolist() == full.responses[i].tolist()
+        torch.testing.assert_close(alone.logprobs[0], full.logprobs[i], atol=1e-5, rtol=0)
+
+
+def test_compaction_with_mixed_finish_times_matches_hf_path(setup):
+    """Rows that stop early are dropped from the batch; the rest must be unaffected."""
+    model, tok, ids, mask = setup
+    fast, slow = generators(model, tok)
+    ids, mask = ids.repeat(4, 1), mask.repeat(4, 1)          # 32 rows, distinct seeds
+    seeds = seeds_for(len(ids), salt=3)
+    params = SamplingParams(temperature=1.5)
+    ours = fast.generate(ids, mask, seeds, params, max_new_tokens=24)
+    ref = slow.generate(ids, mask, seeds, params, max_new_tokens=24)
+    lengths = ours.response_mask.sum(-1)
+    assert len(set(lengths.tolist())) >= 3 and lengths.max() == 24   # finish times really mix
+    assert torch.equal(ours.responses, ref.responses)
+    assert torch.equal(ours.response_mask, ref.response_mask)
+    torch.testing.assert_close(ours.logprobs, ref.logprobs, atol=1e-5, rtol=0)
+    # after EOS: pad tokens, zero mask and zero log-probs
+    ended = torch.arange(24)[None, :] >= lengths[:, None]
+    assert (ours.responses[ended] == tok.pad_token_id).all()
+    assert (ours.logprobs[ended] == 0).all()
+
+
+def test_min_new_tokens(setup):
+    model, tok, ids, mask = setup
+    fast, slow = generators(model, tok)
+    seeds = seeds_for(len(PROMPTS), salt=3)
+    params = SamplingParams(temperature=1.5)
+    out = fast.generate(ids, mask, seeds, params, max_new_tokens=6, min_new_tokens=6)
+    assert out.response_mask.sum(-1).tolist() == [6] * len(PROMPTS)
+    assert not (out.responses == tok.eos_token_id).any()
+    out = fast.generate(ids, mask, seeds, params, max_new_tokens=16, min_new_tokens=4)
+    ref = slow.generate(ids, mask, seeds, params, max_new_tokens=16, min_new_tokens=4)
+    assert not (out.responses[:, :4] == tok.eos_token_id).any()
+    assert torch.equal(out.responses, ref.responses)
+
+
+def test_weight_updates_reach_the_fast_path(setup):
+    model, tok, ids, mask = setup
+    fast, slow = generators(model, tok)
+    before = fast.generate(ids, mask, seeds_for(len(PROMPTS)), SamplingParams(temperature=0),
+                           max_new_tokens=8)
+    g = torch.Generator().manual_seed(1)
+    new = [(n, p + 0.05 * torch.randn(p.shape, generator=g)) for n, p in model.named_parameters()]
+    fast.load_weights(new, version=1)
+    after = fast.generate(ids, mask, seeds_for(len(PROMPTS)), SamplingParams(temperature=0),
+                          max_new_tokens=8)
+    ref = slow.generate(ids, mask, seeds_for(len(PROMPTS)), SamplingParams(temperature=0),
+                        max_new_tokens=8)
+    assert not torch.equal(before.responses, after.responses)
+    assert torch.equal(after.responses, ref.responses)
+
+
+def _random_model(config):
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_unsupported_architectures_fall_back():
+    small = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=64)
+    sliding = _random_model(Qwen2Config(**small, use_sliding_window=True, sliding_window=8,
+                                        max_window_layers=1))
+    scaled = _random_model(LlamaConfig(**small, rope_parameters={
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}))
+    gelu = _random_model(LlamaConfig(**small, hidden_act="gelu"))
+    plain = _random_model(LlamaConfig(**small))
+    for model in (sliding, scaled, gelu):
+        assert fast_path_unsupported(model) is not None
+        assert Generator(model, eos_token_id=2, pad_token_id=0).fast is None
+        with pytest.raises(ValueError):
+            FastDecoder(model)
+    assert fast_path_unsupported(plain) is None
+    # The fallback still generates.
+    gen = Generator(sliding, eos_token_id=2, pad_token_id=0)
+    out = gen.generate(torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]]),
+                       torch.arange(2), SamplingParams(), max_new_tokens=4)
+    assert out.responses.shape == (2, 4)
