@@ -17,6 +17,11 @@ Both use the same torch.distributed gloo transport and pack/unpack, so the compa
 the architecture. A fixed-per-worker sweep (`--per-worker-mib` at each W) checks that our
 per-process peak memory does not grow with W. Every move is verified (counts, order, uids,
 data sources and a tensor checksum per receiver) and the run aborts if one is wrong.
+
+Columns: *_s wall seconds of the move (median over repeats of the slowest rank); *_peak_mib
+peak RSS increase during the move (max over repeats; ours: the largest rank, single: the
+coordinator); cpu_speedup the coordinator's CPU seconds over our busiest rank's, i.e. where
+speedup heads when every worker has a core of its own (W processes on fewer cores share them).
 """
 
 from __future__ import annotations
@@ -110,24 +115,25 @@ def move_single(batch: Batch, dest: torch.Tensor, all_dests: list[torch.Tensor])
         dist.scatter(size, None, src=0)
         piece = torch.empty(int(size), dtype=torch.uint8)
         dist.recv(piece, 0)
-        return unpack(piece)
+        return unpack(piece, copy=False)  # views, as exchange gives a single received chunk
     sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.gather(torch.zeros(1, dtype=torch.int64), sizes, dst=0)
     bufs = [torch.empty(int(s), dtype=torch.uint8) for s in sizes]
     for req in [dist.irecv(bufs[r], src=r) for r in range(1, world)]:
         req.wait()
-    parts = [batch]                      # the coordinator's own shard needs no transport
-    for r in range(1, world):
-        parts.append(unpack(bufs[r]))
-        bufs[r] = None                   # drop each received buffer as soon as it is unpacked
-    # The driver's global batch. verl keeps it for the whole step, so it stays alive here too.
+    # Views into the received buffers (the coordinator's own shard needs no transport): the
+    # concatenation into the driver's global batch is then the only copy, as in exchange.
+    parts = [batch] + [unpack(bufs[r], copy=False) for r in range(1, world)]
+    del bufs
+    # verl's driver keeps the global batch for the whole step, so it stays alive here too.
     whole = Batch.concat(parts)
-    del parts
+    del parts                            # frees the received buffers
     # The driver decides the dispatch itself, so it knows every sample's destination.
     dest_all = torch.cat(all_dests)
     rows = [torch.nonzero(dest_all == d).flatten() for d in range(world)]
     # All pieces are serialised before any is delivered, as the driver's remote calls put every
-    # argument into the object store first; each selected (copied) piece is freed once packed.
+    # argument into the object store first. Random destinations need a gather (select, a copy,
+    # freed once packed) and then serialisation (pack): two copies, as verl's reorder + put.
     out = [torch.empty(0, dtype=torch.uint8)]
     out += [pack(whole.select(rows[d])) for d in range(1, world)]
     dist.scatter(torch.zeros(1, dtype=torch.int64),
@@ -228,7 +234,7 @@ def _verify(out: Batch, sent: torch.Tensor, all_dests: list[torch.Tensor], metho
 
 def _worker(rank: int, world: int, method: str, n: int, repeats: int, seed: int,
             out_dir: str) -> None:
-    torch.set_num_threads(1)             # W processes share 2 cores; no intra-op threads
+    torch.set_num_threads(1)             # W processes share few cores: no intra-op threads
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=10))
     try:
         move = METHODS[method]
@@ -242,20 +248,21 @@ def _worker(rank: int, world: int, method: str, n: int, repeats: int, seed: int,
         # Warm-up on a few samples: first-call costs (gloo pairs, allocator) are not timed.
         k = min(n, 4)
         move(batch.slice(0, k), dest[:k], [d[:k] for d in all_dests])
-        times, peaks = [], []
+        times, cpus, peaks = [], [], []
         for _ in range(repeats):
             gc.collect()
             _trim()
             dist.barrier()
             with PeakRSS() as mem:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()   # CPU: all threads
                 out = move(batch, dest, all_dests)
                 times.append(time.perf_counter() - t0)
+                cpus.append(time.process_time() - c0)
             peaks.append(mem.increase)
             _verify(out, sent, all_dests, method)
             del out
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-            json.dump({"times": times, "peaks": peaks, "bytes": batch.nbytes()}, f)
+            json.dump({"times": times, "cpus": cpus, "peaks": peaks, "bytes": batch.nbytes()}, f)
     finally:
         dist.destroy_process_group()
 
@@ -263,6 +270,7 @@ def _worker(rank: int, world: int, method: str, n: int, repeats: int, seed: int,
 # --- the driver (this process only launches and reports; it moves no data) ---------------------
 @contextlib.contextmanager
 def _env(**values: str):
+    """Set variables for the spawned workers; restore ours afterwards (main runs in-process)."""
     old = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
@@ -270,7 +278,7 @@ def _env(**values: str):
     finally:
         for k, v in old.items():
             if v is None:
-                os.environ.pop(k, None)
+                del os.environ[k]
             else:
                 os.environ[k] = v
 
@@ -282,8 +290,9 @@ def _free_port() -> int:
 
 
 def run_once(method: str, world: int, n: int, repeats: int, seed: int) -> dict:
-    """One fresh launch of `world` processes; time = median over repeats of the max over ranks;
-    peak = max over repeats of the max over ranks (ours) or of rank 0 (single)."""
+    """One fresh launch of `world` processes. seconds: median over repeats of the max over
+    ranks; peak (max over repeats) and CPU seconds (median): of the busiest rank for ours, of
+    the coordinator (rank 0) for single."""
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp, _env(**env):
         mp.start_processes(_worker, args=(world, method, n, repeats, seed, tmp), nprocs=world,
@@ -295,6 +304,7 @@ def run_once(method: str, world: int, n: int, repeats: int, seed: int) -> dict:
     per_rep = lambda key, rs: [max(x[key][i] for x in rs) for i in range(repeats)]  # noqa: E731
     peak_ranks = ranks if method == "ours" else ranks[:1]
     return {"seconds": statistics.median(per_rep("times", ranks)),
+            "cpu_seconds": statistics.median(per_rep("cpus", peak_ranks)),
             "peak_mib": max(per_rep("peaks", peak_ranks)) / MIB,
             "mib": sum(x["bytes"] for x in ranks) / MIB}
 
@@ -343,16 +353,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             "mib_per_worker": round(ours["mib"] / w, 2), "sweep": "+".join(sorted(sweeps)),
             "ours_s": ours["seconds"], "single_s": single["seconds"],
             "speedup": single["seconds"] / ours["seconds"],
+            "ours_cpu_s": ours["cpu_seconds"], "single_cpu_s": single["cpu_seconds"],
+            "cpu_speedup": single["cpu_seconds"] / ours["cpu_seconds"],
             "ours_peak_mib": ours["peak_mib"], "coordinator_peak_mib": single["peak_mib"],
             "mem_ratio": single["peak_mib"] / max(ours["peak_mib"], 1e-9), "verified": True})
     cols = ["workers", "mib_per_step", "mib_per_worker", "ours_s", "single_s", "speedup",
-            "ours_peak_mib", "coordinator_peak_mib", "mem_ratio", "sweep"]
+            "ours_peak_mib", "coordinator_peak_mib", "mem_ratio", "cpu_speedup", "sweep"]
     table = [cols] + [[r[c] if isinstance(r[c], (int, str)) else _fmt(r[c]) for c in cols]
                       for r in rows]
     widths = [max(len(str(line[i])) for line in table) for i in range(len(cols))]
     for line in table:
         print("  ".join(str(v).rjust(wd) for v, wd in zip(line, widths)))
     print("all moves verified: every rank received exactly its samples (count, order, checksum)")
+    print(f"cpu_speedup = coordinator CPU s / our busiest rank's CPU s: the speedup with a core "
+          f"per worker ({os.cpu_count()} cores here)")
     targets = verdicts(rows, args)
     for line in targets["lines"]:
         print(line)
@@ -373,8 +387,9 @@ def verdicts(rows: list[dict], args: argparse.Namespace) -> dict:
         ok = all(r["speedup"] >= 3 for r in biggest)
         out["speedup_met"] = ok
         shown = ", ".join(f"W={r['workers']} {r['speedup']:.1f}x" for r in biggest)
+        cpu = ", ".join(f"{r['cpu_speedup']:.1f}x" for r in biggest)
         out["lines"].append(f"target speedup >= 3x at {biggest[0]['mib_per_step']:.0f} MiB/step: "
-                            f"{shown} -> {'MET' if ok else 'NOT MET'}")
+                            f"{shown} -> {'MET' if ok else 'NOT MET'} (cpu_speedup {cpu})")
     flat = [r for r in rows if "per-worker" in r["sweep"]]
     if len(flat) >= 2:
         peaks = [r["ours_peak_mib"] for r in flat]

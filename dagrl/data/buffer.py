@@ -175,6 +175,7 @@ def exchange(batch: Batch, dest: torch.Tensor | Sequence[int], group: dist.Proce
         if d != me:
             _write_chunk(chunk, batch, rows[d], headers[d], schema)
     recv = _all_to_all_bytes(send, sizes, group, device, use_p2p)
+    del send   # sent: free it before the merge allocates the output
     out_device = batch_device(batch, device)
     # Views into the receive buffer: the concatenation (always new storage) is the only copy.
     parts = [keep if s == me else unpack(buf, out_device, copy=False) for s, buf in enumerate(recv)]
