@@ -79,7 +79,13 @@ def run_worker_from_env(cfg: Config) -> list[dict[str, float]]:
             cfg = from_dict(Config, data)
         resolved = prepare_run(cfg) if ctx.rank == 0 else None
         resolved = ctx.broadcast_object(resolved)
-        return Worker(resolved, ctx).train()
+        history = Worker(resolved, ctx).train()
+        # Every rank finishes its last collective before any rank tears its connections down:
+        # a rank destroying its group while a peer still talks to it can abort the peer (seen
+        # once under torchrun as `terminate called without an active exception` at exit).
+        # Only on success: after a failure the peers may never reach a barrier.
+        ctx.barrier()
+        return history
     finally:
         shutdown()
 
