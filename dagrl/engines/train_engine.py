@@ -10,6 +10,8 @@ multiplied by the number of ranks before backward.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import torch
 import torch.distributed as dist
 
@@ -26,7 +28,7 @@ def all_reduce_sum(value: float, group: dist.ProcessGroup | None, device) -> flo
     return float(t.item())
 
 
-class TrainEngine:
+class TrainEngine(ABC):
     """Subclasses implement `micro_loss(micro, denom, metrics) -> (loss, reported_loss)`."""
 
     name = "train"          # metric prefix
@@ -50,9 +52,11 @@ class TrainEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @abstractmethod
     def micro_loss(self, micro: Batch, denom: float,
                    metrics: StepMetrics) -> tuple[torch.Tensor, torch.Tensor]:
-        raise NotImplementedError   # abstract: ActorEngine and CriticEngine define it
+        """The loss of one micro-batch (already divided by the global `denom`), and the part
+        of it to report as `<name>/<loss_metric>`."""
 
     def update(self, batch: Batch, metrics: StepMetrics, *, mini_batch_samples: int,
                micro_batch_size: int, epochs: int) -> None:
