@@ -4,6 +4,7 @@ dataloader gives each rank a disjoint, resumable shard."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
@@ -134,7 +135,8 @@ def test_dataloader_shards_are_disjoint_cover_the_epoch_and_resume(world, arith_
         assert res[3] == 1                      # unshuffled: a rank's 32/W rows are in 1 row group
     # the global order does not depend on the number of workers
     single = _loader_shards(0, 1, files, 10)[0]
-    assert [sum((results[r][0][b] for r in range(world)), []) for b in range(12)] == single
+    assert [list(itertools.chain.from_iterable(results[r][0][b] for r in range(world)))
+            for b in range(12)] == single
 
 
 def test_plan_shows_balance_and_reshards(capsys):
