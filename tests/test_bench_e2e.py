@@ -30,7 +30,7 @@ def test_flops_count_the_workload_model():
     flops = e2e.step_flops(work, prompt_tokens=6.0, vocab=48)
     # 4 layers x (2*128^2 + 2*128*64 + 3*128*512) + 48*128 tied head
     assert flops["matmul_params"] == 4 * (32768 + 16384 + 196608) + 6144
-    assert flops["total"] == flops["generation"] + flops["old_logprob"] + flops["update"]
+    assert flops["total"] == flops["generation"] + flops["update"] == 4 * flops["forward"]
     assert flops["update"] == 3 * flops["forward"]
 
 

@@ -6,6 +6,7 @@ import textwrap
 
 import pytest
 
+from dagrl.config.loader import from_dict
 from dagrl.config.schema import Config
 from dagrl.dag.builtin import BUILTIN_GRAPHS
 from dagrl.dag.planner import format_plan, make_plan
@@ -23,12 +24,23 @@ def write(tmp_path, text, name="g.yaml"):
 
 
 def test_grpo_graph_order_and_plan():
-    graph = grpo_graph(Config())
+    graph = grpo_graph(from_dict(Config, {"actor": {"skip_on_policy_old_logprob": False}}))
     order = validate_graph(graph, ROLES_)
     assert order == ["rollout", "reward", "old_logprob", "ref_logprob", "advantage", "actor_update"]
     plans = make_plan(graph, order, world_size=1)
     assert [t.node_id for t in plans[0].tasks] == order
     assert all(t.kind == "node" for t in plans[0].tasks)
+
+
+def test_old_logprob_pass_only_when_pi_old_differs_from_pi():
+    on_policy = Config()   # one optimizer step per batch: the graph skips the old_logprob pass
+    assert "old_logprob" not in grpo_graph(on_policy).roles
+    off_policy = from_dict(Config, {"actor": {"mini_batch_size": 16}})
+    assert "old_logprob" in grpo_graph(off_policy).roles
+    assert "old_logprob" in grpo_graph(from_dict(Config, {"actor": {"ppo_epochs": 2}})).roles
+    assert "old_logprob" in grpo_graph(from_dict(Config, {"algorithm": {"kl_in_reward": True}})).roles
+    kept = from_dict(Config, {"actor": {"skip_on_policy_old_logprob": False}})
+    assert "old_logprob" in grpo_graph(kept).roles
 
 
 def test_grpo_without_kl_has_no_reference():

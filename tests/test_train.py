@@ -49,6 +49,32 @@ def test_run_is_reproducible(tmp_path):
             assert ma[key] == mb[key], key
 
 
+def test_skipping_the_on_policy_old_logprob_pass_changes_nothing(tmp_path):
+    skipped, _ = run(tmp_path, "trainer.total_steps=3", name="skip")
+    kept, _ = run(tmp_path, "trainer.total_steps=3", "actor.skip_on_policy_old_logprob=false",
+                  name="keep")
+    assert "timing/old_logprob_s" in kept[0] and "timing/old_logprob_s" not in skipped[0]
+    for ms, mk in zip(skipped, kept):
+        assert ms["reward/mean"] == mk["reward/mean"]
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
+            assert ms[key] == pytest.approx(mk[key], rel=1e-4, abs=1e-7), key
+
+
+def test_missing_old_logprobs_with_several_updates_is_refused(tmp_path):
+    graph = tmp_path / "no_old.yaml"
+    graph.write_text("""
+name: no_old
+nodes:
+  - {id: rollout, role: rollout}
+  - {id: reward, role: reward, deps: [rollout]}
+  - {id: advantage, role: advantage, deps: [reward]}
+  - {id: actor_update, role: actor_update, deps: [advantage]}
+""")
+    with pytest.raises(KeyError, match="old_logprob node"):
+        run(tmp_path, "trainer.total_steps=1", f"dag.graph={graph}", "actor.mini_batch_size=16",
+            "algorithm.kl_loss_coef=0")
+
+
 def test_generator_follows_the_actor(tmp_path):
     from dagrl.runtime.launch import prepare_run
     from dagrl.runtime.worker import Worker

@@ -187,13 +187,11 @@ def step_flops(work: Workload, prompt_tokens: float, vocab: int) -> dict:
     attention (QK^T and AV) at context c costs 4 * c * H per token per layer, forward.
     With S = prompt + completion tokens per sequence and B = prompts x samples sequences:
       generation  = B * (2 P S + 4 H L sum_{c=1..S} c)           (prefill + decode, KV cache)
-      old logprob = the same forward over the S tokens, once      (x1)
       update      = forward + backward = 3 x forward              (x3)
-    so a step is 5 forwards of the batch; the generation forward is the same count as the
+    so a step is 4 forwards of the batch; the generation forward is the same count as the
     teacher-forced one because a KV cache makes each new token cost one token's forward.
-    TRL skips the old-logprob forward when each batch gets one optimizer step (its old
-    log-probs equal the detached new ones), so its own work is 4 forwards; the limit below is
-    for the 5-forward count of the brief's formula.
+    Neither side runs a separate old-logprob forward: each batch gets one optimizer step, so
+    pi_old = pi (TRL with num_iterations=1; ours with actor.skip_on_policy_old_logprob).
     """
     kv_dim = HIDDEN // HEADS * KV_HEADS
     params = LAYERS * (2 * HIDDEN**2 + 2 * HIDDEN * kv_dim + 3 * HIDDEN * INTERMEDIATE) \
@@ -202,8 +200,7 @@ def step_flops(work: Workload, prompt_tokens: float, vocab: int) -> dict:
     batch = work.prompts * work.samples
     forward = batch * (2 * params * seq + 4 * HIDDEN * LAYERS * seq * (seq + 1) / 2)
     return {"matmul_params": params, "seq_tokens": seq, "forward": forward,
-            "generation": forward, "old_logprob": forward, "update": 3 * forward,
-            "total": 5 * forward}
+            "generation": forward, "update": 3 * forward, "total": 4 * forward}
 
 
 def mean_prompt_tokens(data: Path) -> float:
@@ -285,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"best steps {results['ratio_best']:.2f}x, per CPU-s {results['ratio_cpu']:.2f}x; "
               "target >= 2x: "
               f"{'met' if ratio >= 2 else 'NOT met'})")
-    print(f"limit: {flops['total'] / 1e9:.2f} GFLOP/step (5 forwards of {flops['seq_tokens']:.1f} "
+    print(f"limit: {flops['total'] / 1e9:.2f} GFLOP/step (4 forwards of {flops['seq_tokens']:.1f} "
           f"tokens x {work.prompts * work.samples} sequences, {flops['matmul_params']:,} matmul "
           f"params) at {gflops:.1f} GFLOP/s = {limit_s * 1e3:.0f} ms/step = "
           f"{results['limit']['tokens_per_s']:.0f} completion tokens/s")

@@ -93,6 +93,12 @@ class ActorConfig:
     # Samples per forward/backward on one worker; gradients accumulate over micro-batches.
     micro_batch_size: int = 64
     ppo_epochs: int = 1
+    # When a batch gets exactly one optimizer step (ppo_epochs=1, mini_batch_size =
+    # data.train_batch_size) and no KL penalty is folded into the reward, the policy that
+    # generated the batch is the one being updated: pi_old = pi, so the built-in graphs leave out
+    # the old_logprob forward pass and the loss uses pi.detach() (same values, same gradient; the
+    # ratio is exactly 1). false keeps the pass, e.g. to watch actor/rollout_logprob_gap.
+    skip_on_policy_old_logprob: bool = True
 
     def __post_init__(self) -> None:
         _check(self.lr > 0, "lr must be > 0")

@@ -3,7 +3,7 @@
 
 All are variations of one policy-gradient graph:
 
-    [greedy_baseline] -> rollout -> reward -> [filter] -> old_logprob, [ref_logprob], [values]
+    [greedy_baseline] -> rollout -> reward -> [filter] -> [old_logprob], [ref_logprob], [values]
                       -> advantage -> actor_update, [critic_update]
 
 A graph function receives the config because a node's presence can depend on it: the
@@ -25,6 +25,19 @@ def uses_reference(cfg: Config) -> bool:
     return cfg.algorithm.kl_loss_coef > 0 or cfg.algorithm.kl_in_reward
 
 
+def one_update_per_batch(cfg: Config) -> bool:
+    """Whether each batch gets exactly one optimizer step: then the actor being updated is the
+    policy that generated the batch."""
+    return cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size == cfg.data.train_batch_size
+
+
+def uses_old_logprob(cfg: Config) -> bool:
+    """The old_logprob pass is needed unless pi_old = pi (see actor.skip_on_policy_old_logprob);
+    a KL penalty in the reward reads pi_old before the update, so it always needs the pass."""
+    return (not cfg.actor.skip_on_policy_old_logprob or not one_update_per_batch(cfg)
+            or cfg.algorithm.kl_in_reward)
+
+
 def policy_graph(name: str, cfg: Config, *, greedy_baseline: bool = False,
                  dynamic_sampling: bool = False, critic: bool = False) -> GraphSpec:
     nodes = []
@@ -36,8 +49,10 @@ def policy_graph(name: str, cfg: Config, *, greedy_baseline: bool = False,
     if dynamic_sampling:
         nodes.append(NodeSpec("filter", "filter", ("reward",)))
         source = "filter"
-    forward = ["old_logprob"]
-    nodes.append(NodeSpec("old_logprob", "old_logprob", (source,)))
+    forward = []
+    if uses_old_logprob(cfg):
+        nodes.append(NodeSpec("old_logprob", "old_logprob", (source,)))
+        forward.append("old_logprob")
     if uses_reference(cfg):
         nodes.append(NodeSpec("ref_logprob", "ref_logprob", (source,)))
         forward.append("ref_logprob")

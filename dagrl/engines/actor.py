@@ -53,6 +53,11 @@ class ActorEngine(TrainEngine):
                            "batch; add a ref_logprob node before actor_update in the graph")
         # mini_batch_size counts prompts over all workers; each rank updates on its share.
         samples = self.cfg.mini_batch_size * self.samples_per_prompt // self.dp_size
+        if "old_logprobs" not in batch and (self.cfg.ppo_epochs > 1 or len(batch) > samples):
+            raise KeyError("actor_update: 'old_logprobs' is missing and this batch gets more than "
+                           "one optimizer step (actor.ppo_epochs > 1 or actor.mini_batch_size < "
+                           "data.train_batch_size), so pi_old != pi after the first; add an "
+                           "old_logprob node before actor_update in the graph")
         super().update(batch, metrics, mini_batch_samples=samples,
                        micro_batch_size=self.cfg.micro_batch_size, epochs=self.cfg.ppo_epochs)
 
@@ -62,8 +67,15 @@ class ActorEngine(TrainEngine):
         out = response_logprobs(self.model, micro["prompt_ids"], micro["prompt_mask"],
                                 micro["responses"], mask, temperature=self.temperature,
                                 with_entropy=True)
+        # Without an old_logprob pass the batch gets one optimizer step, taken from the weights
+        # that generated it (checked in update): pi_old = pi, as a constant.
+        old = micro["old_logprobs"] if "old_logprobs" in micro else out.logprobs.detach()
+        if "old_logprobs" not in micro and "rollout_logprobs" in micro:
+            # The same check the old_logprob node makes: rollout and training numerics agree.
+            token_mean(metrics, "actor/rollout_logprob_gap",
+                       (old - micro["rollout_logprobs"]).abs(), mask)
         loss_mat, stats = self.policy_loss_fn(
-            out.logprobs, micro["old_logprobs"], micro["advantages"], mask,
+            out.logprobs, old, micro["advantages"], mask,
             clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
             clip_ratio_c=algo.clip_ratio_c, **self.policy_loss_kwargs)
         pg_loss = agg_loss(loss_mat, mask, mode, denom=denom)
