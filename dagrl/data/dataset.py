@@ -18,12 +18,15 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
 from dagrl.data.batch import Batch
 
 REQUIRED_COLUMNS = ("data_source", "reward_model")
+LAYOUT_HINT = ("verl layout: the prompt column (data.prompt_key), data_source, "
+               "reward_model{ground_truth}, optional extra_info")
 
 
 class DatasetError(ValueError):
@@ -39,44 +42,61 @@ class _RowGroup:
 
 
 class ParquetPrompts:
-    """Random access to the rows of one or more parquet files, by global row index."""
+    """Random access to the rows of one or more parquet files, by global row index.
 
-    def __init__(self, files: Sequence[str], prompt_key: str = "prompt", cache_row_groups: int = 64):
+    Every file is opened and its schema checked here, so a missing, corrupt or malformed file
+    fails when the dataset is opened rather than at the step that first reads it. `config_key`
+    names the setting that listed the files, for the messages.
+    """
+
+    def __init__(self, files: Sequence[str], prompt_key: str = "prompt", cache_row_groups: int = 64,
+                 config_key: str = "data.train_files"):
         if not files:
-            raise DatasetError("data.train_files is empty")
+            raise DatasetError(f"{config_key} is empty")
         self.files = [str(f) for f in files]
-        self.prompt_key = prompt_key
+        self.prompt_key, self.config_key = prompt_key, config_key
         self.columns = [prompt_key, *REQUIRED_COLUMNS]
+        self._optional: list[list[str]] = []   # per file: the optional columns it has
         self._groups: list[_RowGroup] = []
         self._handles: dict[int, pq.ParquetFile] = {}
         total = 0
         for fi, path in enumerate(self.files):
             pf = self._open(fi)
-            names = set(pf.schema_arrow.names)
-            missing = [c for c in self.columns if c not in names]
-            if missing:
-                raise DatasetError(f"{path}: missing column(s) {missing}; it has {sorted(names)} "
-                                   f"(verl layout: {prompt_key}, data_source, reward_model"
-                                   "{ground_truth}, extra_info)")
-            self.optional = [c for c in ("extra_info",) if c in names]
+            self._check_schema(path, pf.schema_arrow)
+            self._optional.append([c for c in ("extra_info",) if c in pf.schema_arrow.names])
             for gi in range(pf.metadata.num_row_groups):
                 rows = pf.metadata.row_group(gi).num_rows
                 if rows:
                     self._groups.append(_RowGroup(fi, gi, total, rows))
                     total += rows
         if total == 0:
-            raise DatasetError(f"no rows in {', '.join(self.files)}")
+            raise DatasetError(f"{config_key}: no rows in {', '.join(self.files)}")
         self.num_rows = total
         self._starts = np.array([g.start for g in self._groups])
         self._cache: OrderedDict[tuple[int, int], list[dict]] = OrderedDict()
         self._cache_size = cache_row_groups
         self.row_groups_read = 0   # for tests and logs: how much I/O this worker did
 
+    def _check_schema(self, path: str, schema: pa.Schema) -> None:
+        names = schema.names
+        missing = [c for c in self.columns if c not in names]
+        if missing:
+            raise DatasetError(f"{path}: missing column(s) {missing}; it has {sorted(names)} "
+                               f"({LAYOUT_HINT})")
+        # The reward reads reward_model.ground_truth: a struct without it would only fail at
+        # the first reward, after a whole rollout.
+        reward_type = schema.field("reward_model").type
+        if not pa.types.is_struct(reward_type) or reward_type.get_field_index("ground_truth") < 0:
+            fields = ([reward_type.field(i).name for i in range(reward_type.num_fields)]
+                      if pa.types.is_struct(reward_type) else [])
+            raise DatasetError(f"{path}: missing column reward_model.ground_truth; reward_model "
+                               f"is {reward_type} with fields {fields} ({LAYOUT_HINT})")
+
     def _open(self, fi: int) -> pq.ParquetFile:
         if fi not in self._handles:
             path = self.files[fi]
             if not Path(path).is_file():
-                raise DatasetError(f"{path}: no such parquet file")
+                raise DatasetError(f"{path}: no such parquet file (listed in {self.config_key})")
             try:
                 self._handles[fi] = pq.ParquetFile(path)
             except Exception as err:  # pyarrow raises several types for a corrupt file
@@ -91,8 +111,13 @@ class ParquetPrompts:
         if key in self._cache:
             self._cache.move_to_end(key)
             return self._cache[key]
-        table = self._open(group.file).read_row_group(group.index,
-                                                      columns=self.columns + self.optional)
+        path = self.files[group.file]
+        try:
+            table = self._open(group.file).read_row_group(
+                group.index, columns=self.columns + self._optional[group.file])
+        except (OSError, pa.ArrowException) as err:   # a damaged page behind a valid footer
+            raise DatasetError(f"{path}: not a readable parquet file: row group {group.index} is "
+                               f"corrupt ({err})") from err
         rows = table.to_pylist()
         self.row_groups_read += 1
         self._cache[key] = rows
@@ -166,25 +191,33 @@ class PromptLoader:
     def dropped_per_epoch(self) -> int:
         return len(self.source) % self.batch_size if self.tail == "drop" else 0
 
-    def _global_batch(self) -> tuple[np.ndarray, int]:
-        """Row indices of the current global batch and the epoch they belong to."""
-        order = self.epoch_order(self.epoch)
+    def _global_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        """Row indices of the current global batch and the epoch each row is drawn from."""
         start = self.batch_in_epoch * self.batch_size
-        rows = order[start:start + self.batch_size]
-        if len(rows) < self.batch_size:   # tail == "pad": borrow from the next epoch's order
-            rows = np.concatenate([rows, self.epoch_order(self.epoch + 1)[:self.batch_size - len(rows)]])
-        return rows, self.epoch
+        rows = self.epoch_order(self.epoch)[start:start + self.batch_size]
+        epochs = np.full(len(rows), self.epoch)
+        lap = self.epoch
+        # tail == "pad": borrow from the next epochs' orders (more than one when the dataset is
+        # smaller than a batch). A row borrowed from epoch e+1 is tagged e+1, so its uid differs
+        # from the same row's in this epoch and the two never merge into one GRPO group.
+        while len(rows) < self.batch_size:
+            lap += 1
+            more = self.epoch_order(lap)[:self.batch_size - len(rows)]
+            rows = np.concatenate([rows, more])
+            epochs = np.concatenate([epochs, np.full(len(more), lap)])
+        return rows, epochs
 
     def next_batch(self) -> Batch:
         """This worker's slice of the next global batch, tokenized and left-padded."""
-        rows, epoch = self._global_batch()
+        rows, epochs = self._global_batch()
         per_rank = self.batch_size // self.world_size
-        mine = rows[self.rank * per_rank:(self.rank + 1) * per_rank]
+        mine = slice(self.rank * per_rank, (self.rank + 1) * per_rank)
         positions = np.arange(self.rank * per_rank, (self.rank + 1) * per_rank)
         self.batch_in_epoch += 1
         if self.batch_in_epoch >= self.batches_per_epoch:
             self.epoch, self.batch_in_epoch = self.epoch + 1, 0
-        return self._build(self.source.read(mine.tolist()), mine, positions, epoch)
+        return self._build(self.source.read(rows[mine].tolist()), rows[mine], positions,
+                           epochs[mine])
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed,
@@ -199,14 +232,21 @@ class PromptLoader:
 
     # --- tokenization ----------------------------------------------------------------------
     def _build(self, rows: list[dict], row_ids: np.ndarray, positions: np.ndarray,
-               epoch: int) -> Batch:
+               epoch: int | np.ndarray) -> Batch:
+        """`epoch`: one for all rows, or one per row (see `_global_batch`)."""
         width = self.max_prompt_length
         pad = self.tokenizer.pad_token_id
+        uids = [f"e{int(e)}-r{int(r)}"
+                for e, r in zip(np.broadcast_to(epoch, len(rows)), row_ids)]
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.long)
         for i, row in enumerate(rows):
-            tokens = self._truncate(encode_prompt(self.tokenizer, row[self.source.prompt_key]), row,
-                                    int(row_ids[i]))
+            prompt = row[self.source.prompt_key]
+            if prompt is None:
+                raise DatasetError(f"{row['_file']}: row {int(row_ids[i])} (uid {uids[i]}) has "
+                                   f"no prompt ({self.source.prompt_key} is null)")
+            tokens = self._truncate(encode_prompt(self.tokenizer, prompt), row,
+                                    int(row_ids[i]), uids[i])
             if tokens:   # left padding: the last prompt token sits in the last column
                 ids[i, width - len(tokens):] = torch.tensor(tokens)
                 mask[i, width - len(tokens):] = 1
@@ -217,7 +257,7 @@ class PromptLoader:
                      # position of the prompt in the global batch: orders results across workers
                      "batch_position": torch.as_tensor(positions, dtype=torch.long)},
             non_tensors={
-                "uid": [f"e{epoch}-r{int(r)}" for r in row_ids],
+                "uid": uids,
                 "data_source": [r["data_source"] for r in rows],
                 "ground_truth": [rm.get("ground_truth") for rm in reward_model],
                 "extra_info": [r.get("extra_info") for r in rows],
@@ -225,7 +265,7 @@ class PromptLoader:
             },
             batch_size=len(rows))
 
-    def _truncate(self, tokens: list[int], row: dict, row_id: int) -> list[int]:
+    def _truncate(self, tokens: list[int], row: dict, row_id: int, uid: str) -> list[int]:
         limit = self.max_prompt_length
         if len(tokens) <= limit:
             return tokens
@@ -233,6 +273,6 @@ class PromptLoader:
             return tokens[-limit:]
         if self.truncation == "right":
             return tokens[:limit]
-        raise DatasetError(f"{row['_file']}: row {row_id} has a prompt of {len(tokens)} tokens, "
-                           f"more than data.max_prompt_length={limit} (raise it, or set "
-                           "data.truncation=left|right)")
+        raise DatasetError(f"{row['_file']}: row {row_id} (uid {uid}) has a prompt of "
+                           f"{len(tokens)} tokens, more than data.max_prompt_length={limit} "
+                           "(raise it, or set data.truncation=left|right)")

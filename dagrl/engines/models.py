@@ -7,6 +7,7 @@ tokenizer.json), so tests exercise the same loading path as a user's checkpoint.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -14,8 +15,11 @@ from pathlib import Path
 
 import torch
 from transformers.utils import logging as hf_logging
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel,
-                          PreTrainedTokenizerBase, PreTrainedTokenizerFast, Qwen2Config)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig,
+                          PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast,
+                          Qwen2Config)
+
+logger = logging.getLogger(__name__)
 
 # The character vocabulary of the tiny models: 4 specials, digits, lowercase letters and
 # `+-*=:?. ` (enough for the arithmetic and string tasks of `dagrl data make`).
@@ -119,19 +123,50 @@ def _check_model_dir(path: str, gguf_file: str) -> None:
                                 "checkpoint set model.gguf_file)")
 
 
+class TokenizerError(ValueError):
+    """A model directory whose tokenizer cannot be used; the message names the directory."""
+
+
+def _unusable_token(tok: PreTrainedTokenizerBase, kind: str, vocab_size: int | None) -> str:
+    """Why the tokenizer's `kind` ("pad" or "eos") token cannot be used; "" if it can."""
+    token, token_id = getattr(tok, f"{kind}_token"), getattr(tok, f"{kind}_token_id")
+    name, article = ("EOS", "an") if kind == "eos" else ("pad", "a")
+    if token_id is None:
+        return f"no {name} token"
+    if vocab_size is not None and token_id >= vocab_size:
+        return (f"{article} {name} token {token!r} (id {token_id}) outside the model's "
+                f"vocab_size={vocab_size}")
+    return ""
+
+
 def load_tokenizer(path: str, gguf_file: str = "") -> PreTrainedTokenizerBase:
-    """Load the tokenizer of a local model directory; it must have a pad token (or an EOS
-    token to stand in for it, as most chat models do)."""
+    """Load the tokenizer of a local model directory. It must have an EOS token the model knows;
+    without a pad token, EOS stands in for it (as in verl and TRL)."""
     _check_model_dir(path, gguf_file)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
-    if tok.pad_token_id is None:
-        if tok.eos_token_id is None:
-            raise ValueError(f"the tokenizer in {path!r} has neither a pad nor an EOS token; "
-                             "add a pad token to it")
+    # Without tokenizer files transformers builds a near-empty tokenizer from the model type
+    # instead of failing; it would encode every prompt to nothing.
+    if not tok("a", add_special_tokens=False)["input_ids"]:
+        raise TokenizerError(f"model.path: the tokenizer in {path!r} is empty (no tokenizer.json "
+                             "or vocabulary files there?)")
+    # transformers may also default a missing special token to one the model has no embedding
+    # for (Qwen2's '<|endoftext|>', appended at id len(vocab)): such a token counts as missing.
+    config = AutoConfig.from_pretrained(path, local_files_only=True, **kwargs)
+    vocab_size = getattr(config.get_text_config(), "vocab_size", None)
+    no_pad = _unusable_token(tok, "pad", vocab_size)
+    no_eos = _unusable_token(tok, "eos", vocab_size)
+    if no_pad and no_eos:
+        raise TokenizerError(f"model.path: the tokenizer in {path!r} has neither a pad nor an EOS "
+                             f"token ({no_pad}; {no_eos}); set pad_token and eos_token in its "
+                             "tokenizer_config.json")
+    if no_eos:
+        raise TokenizerError(f"model.path: the tokenizer in {path!r} has {no_eos}: generation "
+                             "could not stop; set eos_token in its tokenizer_config.json")
+    if no_pad:
+        logger.warning("the tokenizer in %r has %s; using its EOS token %r as the pad token",
+                       path, no_pad, tok.eos_token)
         tok.pad_token = tok.eos_token
-    if tok.eos_token_id is None:
-        raise ValueError(f"the tokenizer in {path!r} has no EOS token: generation could not stop")
     return tok
 
 

@@ -1,0 +1,331 @@
+"""Bad inputs fail early with a message that names the problem, and leave no run output.
+
+Each case goes through `launch` (the path `dagrl train` takes) with the tiny model and a small
+parquet file written here, then checks the message and that the run directory holds no metrics
+and no checkpoint. Unit-level variants (truncation, tokenizer fallbacks, reward values) call
+the component directly.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from dagrl.config.loader import load_config
+from dagrl.config.schema import Config
+from dagrl.data.dataset import DatasetError, ParquetPrompts, PromptLoader
+from dagrl.engines.models import TokenizerError, load_tokenizer, write_tiny_model
+from dagrl.rewards.manager import RewardError, RewardManager
+from dagrl.runtime.launch import launch
+
+# A small, quick run: 4 prompts x 2 samples, one step.
+SMALL = ["logging.progress_bar=false", "logging.console_every=1000", "trainer.torch_threads=1",
+         "trainer.total_steps=1", "data.train_batch_size=4", "actor.mini_batch_size=4",
+         "rollout.n=2", "rollout.max_new_tokens=4"]
+
+
+def arith_rows(n: int, start: int = 0) -> list[dict]:
+    return [{"data_source": "arith",
+             "prompt": [{"role": "user", "content": f"{i}+1="}],
+             "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+             "extra_info": {"index": i}}
+            for i in range(start, start + n)]
+
+
+def write_rows(path: Path, rows: list[dict], schema: pa.Schema | None = None, **kwargs) -> str:
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), path, **kwargs)
+    return str(path)
+
+
+def run(tmp_path: Path, model_dir: Path, *overrides: str) -> list[dict]:
+    cfg = load_config(Config, None, [f"trainer.run_dir={tmp_path / 'run'}",
+                                     f"model.path={model_dir}", *SMALL, *overrides])
+    return launch(cfg)
+
+
+def assert_no_run_output(run_dir: Path) -> None:
+    """No step was logged and no checkpoint written (the config files may be there)."""
+    metrics = run_dir / "metrics.jsonl"
+    assert not metrics.exists() or metrics.read_text() == ""
+    checkpoints = run_dir / "checkpoints"
+    assert not checkpoints.exists() or not any(checkpoints.iterdir())
+
+
+@pytest.fixture()
+def good_file(tmp_path) -> str:
+    return write_rows(tmp_path / "good.parquet", arith_rows(8))
+
+
+# --------------------------------------------------------------------------- 1-4: the parquet
+
+
+def test_missing_parquet_file_is_named(tmp_path, tiny_model_dir, good_file):
+    missing = tmp_path / "typo" / "train.parquet"
+    with pytest.raises(DatasetError, match=re.escape(f"{missing}: no such parquet file "
+                                                     "(listed in data.train_files)")):
+        run(tmp_path, tiny_model_dir, f"data.train_files=[{good_file},{missing}]",
+            "trainer.save_every=1")
+    assert_no_run_output(tmp_path / "run")
+
+
+def test_missing_file_names_the_config_key(tmp_path):
+    with pytest.raises(DatasetError, match=r"^data\.val_files is empty$"):
+        ParquetPrompts([], config_key="data.val_files")
+    with pytest.raises(DatasetError, match=r"listed in data\.val_files"):
+        ParquetPrompts([str(tmp_path / "test.parquet")], config_key="data.val_files")
+
+
+@pytest.mark.parametrize("damage", ["random", "empty", "truncated"])
+def test_unreadable_parquet_is_named(tmp_path, tiny_model_dir, good_file, damage):
+    data = Path(good_file).read_bytes()
+    bad = tmp_path / "bad.parquet"
+    bad.write_bytes({"random": bytes(range(256)) * 4, "empty": b"",
+                     "truncated": data[:len(data) // 2]}[damage])
+    with pytest.raises(DatasetError, match=re.escape(f"{bad}: not a readable parquet file")):
+        run(tmp_path, tiny_model_dir, f"data.train_files=[{bad}]", "trainer.save_every=1")
+    assert_no_run_output(tmp_path / "run")
+
+
+def test_corrupt_row_group_behind_a_valid_footer_is_named(tmp_path):
+    path = write_rows(tmp_path / "rot.parquet", arith_rows(64), row_group_size=16)
+    data = bytearray(Path(path).read_bytes())
+    data[4:len(data) // 3] = bytes(len(data) // 3 - 4)   # zero the first pages, keep the footer
+    Path(path).write_bytes(bytes(data))
+    source = ParquetPrompts([path])                      # the footer still reads
+    with pytest.raises(DatasetError, match=re.escape(f"{path}: not a readable parquet file: "
+                                                     "row group 0 is corrupt")):
+        source.read([0])
+
+
+@pytest.mark.parametrize("drop, missing", [("prompt", "['prompt']"),
+                                           ("data_source", "['data_source']"),
+                                           ("reward_model", "['reward_model']")])
+def test_missing_column_lists_the_present_ones(tmp_path, tiny_model_dir, drop, missing):
+    rows = [{k: v for k, v in r.items() if k != drop} for r in arith_rows(8)]
+    path = write_rows(tmp_path / "cols.parquet", rows)
+    present = sorted(set(arith_rows(1)[0]) - {drop})
+    with pytest.raises(DatasetError, match=re.escape(f"{path}: missing column(s) {missing}; "
+                                                     f"it has {present}")):
+        run(tmp_path, tiny_model_dir, f"data.train_files=[{path}]", "trainer.save_every=1")
+    assert_no_run_output(tmp_path / "run")
+
+
+def test_missing_column_names_the_configured_prompt_key(tmp_path, good_file):
+    with pytest.raises(DatasetError, match=r"missing column\(s\) \['question'\].*data\.prompt_key"):
+        ParquetPrompts([good_file], prompt_key="question")
+
+
+def test_reward_model_without_ground_truth_is_named(tmp_path, tiny_model_dir):
+    rows = arith_rows(8)
+    for row in rows:
+        row["reward_model"] = {"style": "rule", "answer": row["reward_model"]["ground_truth"]}
+    path = write_rows(tmp_path / "nogt.parquet", rows)
+    with pytest.raises(DatasetError, match=re.escape(f"{path}: missing column "
+                                                     "reward_model.ground_truth")) as info:
+        run(tmp_path, tiny_model_dir, f"data.train_files=[{path}]")
+    assert "['style', 'answer']" in str(info.value)
+    assert_no_run_output(tmp_path / "run")
+
+
+def test_files_may_differ_in_optional_columns(tmp_path, tokenizer):
+    without_extra = [{k: v for k, v in r.items() if k != "extra_info"} for r in arith_rows(4, 4)]
+    files = [write_rows(tmp_path / "a.parquet", arith_rows(4)),
+             write_rows(tmp_path / "b.parquet", without_extra)]
+    rows = ParquetPrompts(files).read([0, 7])
+    assert rows[0]["extra_info"] == {"index": 0} and "extra_info" not in rows[1]
+
+
+def test_empty_dataset(tmp_path, tiny_model_dir):
+    schema = pa.Table.from_pylist(arith_rows(1)).schema
+    path = write_rows(tmp_path / "empty.parquet", [], schema=schema)
+    with pytest.raises(DatasetError, match=re.escape(f"data.train_files: no rows in {path}")):
+        run(tmp_path, tiny_model_dir, f"data.train_files=[{path}]")
+    assert_no_run_output(tmp_path / "run")
+
+
+def test_fewer_rows_than_a_batch(tmp_path, tiny_model_dir):
+    path = write_rows(tmp_path / "small.parquet", arith_rows(3))
+    with pytest.raises(DatasetError, match=r"has 3 rows, fewer than one batch of "
+                                           r"data\.train_batch_size=4 \(use data\.tail=pad\)"):
+        run(tmp_path, tiny_model_dir, f"data.train_files=[{path}]")
+    assert_no_run_output(tmp_path / "run")
+
+
+def test_tail_pad_fills_a_batch_larger_than_the_dataset(tmp_path, tokenizer):
+    source = ParquetPrompts([write_rows(tmp_path / "small.parquet", arith_rows(3))])
+    loader = PromptLoader(source, tokenizer, batch_size=8, tail="pad", max_prompt_length=16)
+    batch = loader.next_batch()
+    assert len(batch) == 8 and sorted(set(batch["row_index"].tolist())) == [0, 1, 2]
+    # a row repeated within the batch comes from another epoch's order: its own GRPO group
+    assert len(set(batch["uid"].tolist())) == 8
+    assert loader.next_batch()["uid"][0].startswith("e1-")
+
+
+# --------------------------------------------------------------------------- 5: long prompts
+
+
+@pytest.fixture()
+def long_prompt_source(tmp_path) -> ParquetPrompts:
+    rows = arith_rows(4)
+    rows[2]["prompt"] = [{"role": "user", "content": "1234567890+1="}]   # 1 BOS + 13 characters
+    return ParquetPrompts([write_rows(tmp_path / "long.parquet", rows)])
+
+
+def test_long_prompt_error_names_row_uid_and_lengths(long_prompt_source, tokenizer):
+    loader = PromptLoader(long_prompt_source, tokenizer, batch_size=4, shuffle=False,
+                          max_prompt_length=8)
+    with pytest.raises(DatasetError, match=re.escape(
+            f"{long_prompt_source.files[0]}: row 2 (uid e0-r2) has a prompt of 14 tokens, more "
+            "than data.max_prompt_length=8")):
+        loader.next_batch()
+
+
+@pytest.mark.parametrize("side, kept", [("left", "67890+1="), ("right", "<bos>1234567")])
+def test_long_prompt_truncation(long_prompt_source, tokenizer, side, kept):
+    loader = PromptLoader(long_prompt_source, tokenizer, batch_size=4, shuffle=False,
+                          max_prompt_length=8, truncation=side)
+    batch = loader.next_batch()
+    ids = batch["prompt_ids"][2][batch["prompt_mask"][2].bool()].tolist()
+    assert len(ids) == 8 and tokenizer.decode(ids) == kept
+    assert tokenizer.decode(batch["prompt_ids"][0][batch["prompt_mask"][0].bool()]) == "<bos>0+1="
+
+
+def test_long_prompt_stops_the_run_before_any_output(tmp_path, tiny_model_dir, good_file):
+    with pytest.raises(DatasetError, match=r"more than data\.max_prompt_length=3"):
+        run(tmp_path, tiny_model_dir, f"data.train_files=[{good_file}]",
+            "data.max_prompt_length=3", "trainer.save_every=1")
+    assert_no_run_output(tmp_path / "run")
+
+
+def test_null_prompt_is_named(tmp_path, tokenizer):
+    rows = arith_rows(4)
+    rows[1]["prompt"] = None
+    source = ParquetPrompts([write_rows(tmp_path / "null.parquet", rows)])
+    loader = PromptLoader(source, tokenizer, batch_size=4, shuffle=False, max_prompt_length=16)
+    with pytest.raises(DatasetError, match=r"null.parquet: row 1 \(uid e0-r1\) has no prompt"):
+        loader.next_batch()
+
+
+# --------------------------------------------------------------------------- 6-7: the model
+
+
+def test_missing_model_directory_is_named(tmp_path, good_file):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match=re.escape(f"model.path: '{missing}' is not a "
+                                                          "directory")):
+        run(tmp_path, missing, f"data.train_files=[{good_file}]")
+    assert_no_run_output(tmp_path / "run")
+
+
+def test_model_directory_without_config_is_named(tmp_path, good_file):
+    (tmp_path / "weights").mkdir()
+    with pytest.raises(FileNotFoundError, match=re.escape(f"model.path: '{tmp_path / 'weights'}' "
+                                                          "has no config.json")):
+        run(tmp_path, tmp_path / "weights", f"data.train_files=[{good_file}]")
+    assert_no_run_output(tmp_path / "run")
+
+
+def test_model_directory_without_tokenizer_files_is_named(tmp_path, tiny_model_dir):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    shutil.copy(tiny_model_dir / "config.json", bare)
+    with pytest.raises(TokenizerError, match=re.escape(f"the tokenizer in '{bare}' is empty")):
+        load_tokenizer(str(bare))
+
+
+def model_without(tmp_path: Path, family: str, keys: tuple[str, ...]) -> Path:
+    """A tiny model whose tokenizer_config.json lacks `keys` (e.g. pad_token)."""
+    path = write_tiny_model(tmp_path / family, family)
+    config_file = path / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    for key in keys:
+        del config[key]
+    config_file.write_text(json.dumps(config))
+    return path
+
+
+# tiny-llama loads with no pad token; for tiny-qwen2 transformers invents '<|endoftext|>' at an
+# id the model has no embedding for, which must count as no pad token either.
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2"])
+def test_missing_pad_token_falls_back_to_eos(tmp_path, caplog, family):
+    path = model_without(tmp_path, family, ("pad_token",))
+    with caplog.at_level(logging.WARNING, logger="dagrl.engines.models"):
+        tok = load_tokenizer(str(path))
+    assert tok.pad_token == tok.eos_token == "<eos>" and tok.pad_token_id == 2
+    assert f"the tokenizer in '{path}' has" in caplog.text
+    assert "using its EOS token '<eos>' as the pad token" in caplog.text
+
+
+@pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2"])
+def test_missing_pad_and_eos_tokens_are_an_error(tmp_path, family):
+    path = model_without(tmp_path, family, ("pad_token", "eos_token"))
+    with pytest.raises(TokenizerError, match=re.escape(f"model.path: the tokenizer in '{path}' "
+                                                       "has neither a pad nor an EOS token")):
+        load_tokenizer(str(path))
+
+
+# --------------------------------------------------------------------------- 8: rewards
+
+REWARD_FILE = """
+RETURNS = {"none": None, "text": "1.0", "nan": float("nan"), "inf": float("inf")}
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if extra_info["index"] == 2:
+        raise ValueError("judge unavailable")
+    return RETURNS[KIND] if extra_info["index"] == 1 else 1.0
+"""
+
+
+def reward_file(tmp_path: Path, kind: str) -> str:
+    path = tmp_path / f"reward_{kind}.py"
+    path.write_text(f"KIND = {kind!r}\n{REWARD_FILE}")
+    return f"{path}:compute_score"
+
+
+@pytest.mark.parametrize("kind, shown", [("none", "NoneType None"), ("text", "str '1.0'"),
+                                         ("nan", "non-finite score nan"),
+                                         ("inf", "non-finite score inf")])
+def test_non_number_reward_names_sample_value_and_scorer(tmp_path, kind, shown):
+    spec = reward_file(tmp_path, kind)
+    manager = RewardManager(custom_fn=spec)
+    with pytest.raises(RewardError) as info:
+        manager.score(["a", "b"], ["arith"] * 2, ["1", "2"], [{"index": 0}, {"index": 1}],
+                      sample_ids=["e0-r0/0", "e0-r1/0"])
+    message = str(info.value)
+    assert "sample 1 (id 'e0-r1/0')" in message and f"custom_fn {spec!r}" in message
+    assert f"returned {shown}" in message
+
+
+def test_counted_reward_failures(tmp_path):
+    manager = RewardManager(on_error="count", error_score=-1.0,
+                            custom_fn=reward_file(tmp_path, "none"))
+    result = manager.score(["a", "b", "c"], ["arith"] * 3, ["1"] * 3,
+                           [{"index": i} for i in range(3)])
+    assert result.scores == [1.0, -1.0, -1.0] and result.n_errors == 2
+    assert "sample 1" in result.first_error and "returned NoneType None" in result.first_error
+
+
+def test_bad_reward_stops_the_run_before_any_output(tmp_path, tiny_model_dir, good_file):
+    with pytest.raises(RewardError, match=r"reward failed for sample \d+ \(id 'e0-r1/\d'\).*"
+                                          r"returned str '1\.0'"):
+        run(tmp_path, tiny_model_dir, f"data.train_files=[{good_file}]",
+            f"reward.custom_fn={reward_file(tmp_path, 'text')}", "data.shuffle=false",
+            "trainer.save_every=1")
+    assert_no_run_output(tmp_path / "run")
+
+
+def test_counted_bad_rewards_finish_the_run(tmp_path, tiny_model_dir, good_file):
+    history = run(tmp_path, tiny_model_dir, f"data.train_files=[{good_file}]",
+                  f"reward.custom_fn={reward_file(tmp_path, 'nan')}", "reward.on_error=count",
+                  "data.shuffle=false")
+    # rows 1 and 2 of the first 4 fail (NaN, raise), 2 samples each
+    assert history[0]["reward/errors"] == 4
+    assert math.isfinite(history[0]["reward/mean"])
