@@ -71,8 +71,7 @@ def test_missing_parquet_file_is_named(tmp_path, tiny_model_dir, good_file):
     missing = tmp_path / "typo" / "train.parquet"
     with pytest.raises(DatasetError, match=re.escape(f"{missing}: no such parquet file "
                                                      "(listed in data.train_files)")):
-        run(tmp_path, tiny_model_dir, f"data.train_files=[{good_file},{missing}]",
-            "trainer.save_every=1")
+        run(tmp_path, tiny_model_dir, f"data.train_files=[{good_file},{missing}]")
     assert_no_run_output(tmp_path / "run")
 
 
@@ -90,7 +89,7 @@ def test_unreadable_parquet_is_named(tmp_path, tiny_model_dir, good_file, damage
     bad.write_bytes({"random": bytes(range(256)) * 4, "empty": b"",
                      "truncated": data[:len(data) // 2]}[damage])
     with pytest.raises(DatasetError, match=re.escape(f"{bad}: not a readable parquet file")):
-        run(tmp_path, tiny_model_dir, f"data.train_files=[{bad}]", "trainer.save_every=1")
+        run(tmp_path, tiny_model_dir, f"data.train_files=[{bad}]")
     assert_no_run_output(tmp_path / "run")
 
 
@@ -114,7 +113,7 @@ def test_missing_column_lists_the_present_ones(tmp_path, tiny_model_dir, drop, m
     present = sorted(set(arith_rows(1)[0]) - {drop})
     with pytest.raises(DatasetError, match=re.escape(f"{path}: missing column(s) {missing}; "
                                                      f"it has {present}")):
-        run(tmp_path, tiny_model_dir, f"data.train_files=[{path}]", "trainer.save_every=1")
+        run(tmp_path, tiny_model_dir, f"data.train_files=[{path}]")
     assert_no_run_output(tmp_path / "run")
 
 
@@ -201,7 +200,7 @@ def test_long_prompt_truncation(long_prompt_source, tokenizer, side, kept):
 def test_long_prompt_stops_the_run_before_any_output(tmp_path, tiny_model_dir, good_file):
     with pytest.raises(DatasetError, match=r"more than data\.max_prompt_length=3"):
         run(tmp_path, tiny_model_dir, f"data.train_files=[{good_file}]",
-            "data.max_prompt_length=3", "trainer.save_every=1")
+            "data.max_prompt_length=3")
     assert_no_run_output(tmp_path / "run")
 
 
@@ -317,8 +316,7 @@ def test_bad_reward_stops_the_run_before_any_output(tmp_path, tiny_model_dir, go
     with pytest.raises(RewardError, match=r"reward failed for sample \d+ \(id 'e0-r1/\d'\).*"
                                           r"returned str '1\.0'"):
         run(tmp_path, tiny_model_dir, f"data.train_files=[{good_file}]",
-            f"reward.custom_fn={reward_file(tmp_path, 'text')}", "data.shuffle=false",
-            "trainer.save_every=1")
+            f"reward.custom_fn={reward_file(tmp_path, 'text')}", "data.shuffle=false")
     assert_no_run_output(tmp_path / "run")
 
 
