@@ -3,6 +3,7 @@
     dagrl train [CONFIG] [key=value ...] [--print-config]
     dagrl plan  [CONFIG] [key=value ...]        # the graph and each rank's task list
     dagrl data make arith --out DIR [--seed S]  # the default task as verl-layout parquet
+    dagrl export CHECKPOINT|RUN_DIR --out DIR   # a checkpoint's actor as a HF model directory
     dagrl bench dataplane [--workers 2,4,8] ... # our reshard vs a single-controller emulation
     dagrl bench learning [--algorithms all]     # reward early vs late for every algorithm
     dagrl bench rollout                         # our generator vs transformers generate
@@ -86,6 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return data_main(rest)
     if command == "bench":
         return bench_main(rest)
+    if command == "export":
+        from dagrl.export import main as export_main
+
+        return export_main(rest)
     print(f"unknown command {command!r}\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -108,7 +108,10 @@ def run_ours(model: Path, data: Path, work: Workload, run_dir: Path) -> dict:
         f"trainer.total_steps={work.steps}", f"trainer.torch_threads={work.threads}",
         "trainer.device=cpu", f"trainer.run_dir={run_dir}",
         "logging.backends=[jsonl]", "logging.progress_bar=false"])
+    from dagrl.observe.loggers import RunLogger
+
     worker = Worker(prepare_run(cfg))
+    worker.logger = RunLogger(cfg.logging, worker.run_dir, work.steps)
     seconds, cpu_seconds, lengths = [], [], []
     try:
         for step in range(1, work.steps + 1):

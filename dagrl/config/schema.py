@@ -54,9 +54,15 @@ class DataConfig:
     # The last, incomplete batch of an epoch: dropped (and counted in the log) or padded with
     # prompts from the start of the next epoch's order.
     tail: Literal["drop", "pad"] = "drop"
+    # The validation split (same layout; `builtin:arith` is the test split of the built-in task),
+    # used when trainer.val_every > 0 or trainer.val_before_train.
+    val_files: list[str] = field(default_factory=list)
+    # Validation prompts generated at once on one worker.
+    val_batch_size: int = 64
 
     def __post_init__(self) -> None:
         _check(len(self.train_files) > 0, "train_files must list at least one parquet file")
+        _check(self.val_batch_size > 0, "val_batch_size must be > 0")
         _check(self.train_batch_size > 0, "train_batch_size must be > 0")
         _check(self.max_prompt_length > 0, "max_prompt_length must be > 0")
 
@@ -69,9 +75,14 @@ class RolloutConfig:
     top_p: float = 1.0              # 1 disables
     max_new_tokens: int = 6
     min_new_tokens: int = 0         # EOS is masked out until this many tokens are generated
+    # Validation: samples per prompt (n > 1 adds pass@n and maj@n) and their temperature.
+    val_n: int = 1
+    val_temperature: float = 0.0
 
     def __post_init__(self) -> None:
         _check(self.n > 0, "n must be > 0")
+        _check(self.val_n > 0, "val_n must be > 0")
+        _check(self.val_temperature >= 0, "val_temperature must be >= 0")
         _check(self.temperature >= 0, "temperature must be >= 0")
         _check(self.top_k >= 0, "top_k must be >= 0 (0 disables it)")
         _check(0 < self.top_p <= 1, "top_p must be in (0, 1]")
@@ -224,11 +235,31 @@ class TrainerConfig:
     device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
     # torch intra-op threads per worker; 0 leaves torch's default.
     torch_threads: int = 0
+    # Validation every this many steps (and after the last); 0 disables. Needs data.val_files.
+    val_every: int = 0
+    val_before_train: bool = False
+    # A checkpoint every this many steps (and after the last); 0 disables checkpoints.
+    save_every: int = 0
+    # Committed checkpoints kept (oldest pruned first); 0 keeps all.
+    keep_last: int = 3
+    # Empty: <run_dir>/checkpoints.
+    checkpoint_dir: str = ""
+    # "auto": continue from the newest checkpoint in checkpoint_dir if there is one; "never";
+    # or the path of a checkpoint directory (step_<N>) to start from.
+    resume: str = "auto"
+    # Ray launcher: when a worker dies, restart all workers from the last checkpoint this many
+    # times before giving up.
+    max_restarts: int = 0
 
     def __post_init__(self) -> None:
         _check(self.total_steps > 0, "total_steps must be > 0")
         _check(self.n_workers > 0, "n_workers must be > 0")
         _check(self.torch_threads >= 0, "torch_threads must be >= 0")
+        _check(self.val_every >= 0, "val_every must be >= 0 (0 disables validation)")
+        _check(self.save_every >= 0, "save_every must be >= 0 (0 disables checkpoints)")
+        _check(self.keep_last >= 0, "keep_last must be >= 0 (0 keeps every checkpoint)")
+        _check(self.max_restarts >= 0, "max_restarts must be >= 0")
+        _check(bool(self.resume), 'resume must be "auto", "never" or a checkpoint path')
 
 
 @dataclass
@@ -265,3 +296,6 @@ class Config:
         _check(self.actor.mini_batch_size % self.trainer.n_workers == 0,
                f"actor.mini_batch_size ({self.actor.mini_batch_size}) must be divisible by "
                f"trainer.n_workers ({self.trainer.n_workers})")
+        _check(not (self.trainer.val_every or self.trainer.val_before_train)
+               or bool(self.data.val_files),
+               "trainer.val_every / trainer.val_before_train need data.val_files")

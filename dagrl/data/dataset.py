@@ -219,6 +219,11 @@ class PromptLoader:
         return self._build(self.source.read(rows[mine].tolist()), rows[mine], positions,
                            epochs[mine])
 
+    def batch_of_rows(self, row_ids: Sequence[int], epoch: int = 0) -> Batch:
+        """The given rows, in order, tokenized like a training batch (for validation)."""
+        ids = np.asarray(row_ids, dtype=np.int64)
+        return self._build(self.source.read(ids.tolist()), ids, ids, epoch)
+
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch, "seed": self.seed,
                 "batch_size": self.batch_size, "num_rows": len(self.source)}

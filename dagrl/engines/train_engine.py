@@ -10,6 +10,7 @@ multiplied by the number of ranks before backward.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 
 import torch
@@ -79,6 +80,15 @@ class TrainEngine(ABC):
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         if hasattr(norm, "full_tensor"):   # a DTensor under FSDP2
             norm = norm.full_tensor()
+        # The norm is global (the same on every rank), so all ranks stop together. Stopping
+        # before optimizer.step keeps the weights finite, and the step's checkpoint is never
+        # written, so the last one stays the newest.
+        if not math.isfinite(float(norm)):
+            raise FloatingPointError(
+                f"{self.name} update {self.version + 1}: gradient norm {float(norm)} (loss on "
+                f"this rank {reported}): a NaN/Inf loss or gradient. Stopped before the "
+                "optimizer step; the weights and the last checkpoint are unchanged (lower the "
+                "learning rate, or check the rewards and advantages for NaN/Inf)")
         self.optimizer.step()
         self.scheduler.step()
         self.version += 1

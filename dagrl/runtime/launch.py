@@ -13,6 +13,7 @@ Three ways to start the same workers:
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from pathlib import Path
 
@@ -33,23 +34,26 @@ def materialize_builtins(cfg: Config, run_dir: Path) -> Config:
     m = cfg.model
     model_path = resolve_builtin_model(m.path, run_dir / "artifacts", hidden_size=m.tiny_hidden_size,
                                        layers=m.tiny_layers, seed=cfg.trainer.seed)
-    files = []
-    for spec in cfg.data.train_files:
-        if spec.startswith(BUILTIN_PREFIX):
-            name = spec[len(BUILTIN_PREFIX):]
-            if name not in MAKERS:
-                raise ValueError(f"data.train_files: unknown built-in dataset {spec!r}; choose "
-                                 f"one of {', '.join(BUILTIN_PREFIX + k for k in MAKERS)}")
-            out = run_dir / "artifacts" / f"{name}-data"
-            paths = {"train": out / "train.parquet"}
-            if not paths["train"].exists():
-                paths = MAKERS[name](out, seed=cfg.trainer.seed)
-            files.append(str(paths["train"]))
-        else:
-            files.append(spec)
+
+    def data_file(spec: str, key: str, split: str) -> str:
+        if not spec.startswith(BUILTIN_PREFIX):
+            return spec
+        name = spec[len(BUILTIN_PREFIX):]
+        if name not in MAKERS:
+            raise ValueError(f"data.{key}: unknown built-in dataset {spec!r}; choose one of "
+                             f"{', '.join(BUILTIN_PREFIX + k for k in MAKERS)}")
+        out = run_dir / "artifacts" / f"{name}-data"
+        path = out / f"{split}.parquet"
+        if not path.exists():
+            path = MAKERS[name](out, seed=cfg.trainer.seed)[split]
+        return str(path)
+
+    d = cfg.data
     return dataclasses.replace(
         cfg, model=dataclasses.replace(m, path=model_path),
-        data=dataclasses.replace(cfg.data, train_files=files),
+        data=dataclasses.replace(
+            d, train_files=[data_file(s, "train_files", "train") for s in d.train_files],
+            val_files=[data_file(s, "val_files", "test") for s in d.val_files]),
         trainer=dataclasses.replace(cfg.trainer, run_dir=str(run_dir)))
 
 
@@ -60,6 +64,13 @@ def prepare_run(cfg: Config) -> Config:
     resolved = materialize_builtins(cfg, run_dir)
     (run_dir / "config.resolved.yaml").write_text(dump_yaml(resolved))
     return resolved
+
+
+def write_pid_file(run_dir: Path, rank: int) -> None:
+    """`<run_dir>/workers/rank<r>.pid`: which process is which rank (to inspect or signal)."""
+    workers = run_dir / "workers"
+    workers.mkdir(exist_ok=True)
+    (workers / f"rank{rank}.pid").write_text(str(os.getpid()))
 
 
 def run_worker_from_env(cfg: Config) -> list[dict[str, float]]:
@@ -79,6 +90,7 @@ def run_worker_from_env(cfg: Config) -> list[dict[str, float]]:
             cfg = from_dict(Config, data)
         resolved = prepare_run(cfg) if ctx.rank == 0 else None
         resolved = ctx.broadcast_object(resolved)
+        write_pid_file(Path(resolved.trainer.run_dir), ctx.rank)
         history = Worker(resolved, ctx).train()
         # Every rank finishes its last collective before any rank tears its connections down:
         # a rank destroying its group while a peer still talks to it can abort the peer (seen

@@ -1,8 +1,10 @@
 """Start N workers as Ray actors, one per placement-group bundle (one device each).
 
 The driver holds no sample data: it reserves the bundles, starts the actors, tells them where
-rank 0 listens, and waits. If a worker fails, its error is raised here and the others are
-stopped. `RAY_ADDRESS` set: join that cluster; otherwise start a local Ray instance.
+rank 0 listens, and waits. If a worker fails, the others are stopped; with
+`trainer.max_restarts` > 0 all workers are started again and resume from the newest
+checkpoint (`trainer.resume=auto`), otherwise the error is raised here. `RAY_ADDRESS` set:
+join that cluster; otherwise start a local Ray instance.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+from pathlib import Path
 
 from dagrl.config.loader import to_dict
 from dagrl.config.schema import Config
@@ -44,26 +47,65 @@ class _RayWorker:
 
 
 def launch_ray(cfg: Config) -> list[dict[str, float]]:
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    """Run the workers; restart them all from the last checkpoint after a failure, at most
+    trainer.max_restarts times. Returns rank 0's metrics of the last attempt."""
+    import dataclasses
 
-    n = cfg.trainer.n_workers
-    kind = device_type(cfg.trainer.device)
+    import ray
+
+    from dagrl.runtime.checkpoint import latest_checkpoint
+    from dagrl.runtime.launch import resolve_run_dir
+
+    # Every attempt must use the same run directory (and so the same checkpoints).
+    run_dir = resolve_run_dir(cfg)
+    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, run_dir=str(run_dir)))
+    t = cfg.trainer
     started_here = not ray.is_initialized()
     if started_here:
         if os.environ.get("RAY_ADDRESS"):
             ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         else:
             # A local instance: CPU workers may outnumber the cores (each is one process).
-            ray.init(num_cpus=max(n, os.cpu_count() or 1), include_dashboard=False,
+            ray.init(num_cpus=max(t.n_workers, os.cpu_count() or 1), include_dashboard=False,
                      log_to_driver=True)
+    try:
+        for attempt in range(t.max_restarts + 1):
+            try:
+                return _run_workers(cfg)
+            except WorkerFailed as err:
+                if attempt == t.max_restarts:
+                    raise
+                root = Path(t.checkpoint_dir or run_dir / "checkpoints")
+                last = latest_checkpoint(root)
+                print(f"[dagrl] {err}\n[dagrl] restart {attempt + 1}/{t.max_restarts}: "
+                      f"starting all {t.n_workers} workers again from "
+                      f"{last or 'the beginning (no checkpoint yet)'}", flush=True)
+                if t.resume != "auto":   # continue from what this run wrote, not the start
+                    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(
+                        cfg.trainer, resume="auto"))
+        raise AssertionError("unreachable")
+    finally:
+        if started_here:
+            # Let Ray's log monitor forward the workers' last lines before it stops.
+            time.sleep(1.0)
+            ray.shutdown()
+
+
+def _run_workers(cfg: Config) -> list[dict[str, float]]:
+    """One attempt: a placement group, one actor per rank, wait for all; WorkerFailed if any
+    raises or dies (the others are killed: they would wait forever on the failed one)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    n = cfg.trainer.n_workers
+    kind = device_type(cfg.trainer.device)
     bundle = {"CPU": 1} if kind == "cpu" else {"CPU": 1, "GPU": 1}
     pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
     ray.get(pg.ready())
     actor_cls = ray.remote(_RayWorker)
     actors = [actor_cls.options(
-        num_cpus=1, num_gpus=bundle.get("GPU", 0),
+        num_cpus=1, num_gpus=bundle.get("GPU", 0), max_restarts=0,
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=i)).remote() for i in range(n)]
     try:
@@ -79,13 +121,7 @@ def launch_ray(cfg: Config) -> list[dict[str, float]]:
             except Exception as err:  # RayTaskError / RayActorError carry the remote traceback
                 raise WorkerFailed(f"worker rank {rank} failed: {err}") from err
         return results[0]
-    except BaseException:
-        for actor in actors:   # stop the other workers: they would wait forever on the failed one
-            ray.kill(actor)
-        raise
     finally:
+        for actor in actors:
+            ray.kill(actor)
         remove_placement_group(pg)
-        if started_here:
-            # Let Ray's log monitor forward the workers' last lines before it stops.
-            time.sleep(1.0)
-            ray.shutdown()

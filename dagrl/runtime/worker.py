@@ -8,6 +8,10 @@
             balance      -> whole groups move so ranks hold similar token counts
         metrics = reduce(this rank's statistics) over all ranks
         rank 0 logs them
+        every trainer.val_every steps: validate (each rank on its share of the test split)
+        every trainer.save_every steps: checkpoint (each rank writes its shards; atomic commit)
+
+A worker first resumes from a checkpoint when `trainer.resume` finds one (runtime/checkpoint.py).
 
 The launcher (in-process, Ray or torchrun) only starts workers and waits for them; rank 0
 prepares the run directory and tells the others the resolved config.
@@ -15,6 +19,7 @@ prepares the run directory and tells the others the resolved config.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -31,9 +36,11 @@ from dagrl.data.buffer import balance, reshard
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
 from dagrl.observe.loggers import RunLogger
 from dagrl.observe.metrics import StepMetrics
+from dagrl.runtime.checkpoint import Checkpointer, Stateful, resolve_resume
 from dagrl.runtime.distributed import DistContext, create_layout_groups
 from dagrl.runtime.engines import build_engines
 from dagrl.runtime.nodes import NodeContext
+from dagrl.runtime.validation import Validator
 
 
 def build_graph(cfg: Config) -> GraphSpec:
@@ -73,6 +80,10 @@ class Worker:
         self.roles = load_builtin_roles()
         needed = {e for t in self.plan.tasks if t.kind == "node"
                   for e in self.roles.get(t.role).engines}
+        t = cfg.trainer
+        validates = t.val_every > 0 or t.val_before_train
+        if validates:   # every rank validates its share of the test split
+            needed |= {"rollout", "reward"}
         self.engines = build_engines(cfg, needed, self.device, world_size=self.world_size,
                                      log=self.log)
         d = cfg.data
@@ -84,8 +95,13 @@ class Worker:
         if self.loader.dropped_per_epoch:
             self.log(f"data: {self.loader.dropped_per_epoch} prompt(s) per epoch do not fill a "
                      f"batch of {d.train_batch_size} and are dropped (data.tail=drop)")
-        self.logger = (RunLogger(cfg.logging, self.run_dir, cfg.trainer.total_steps)
-                       if self.rank == 0 else None)
+        self.validator = (Validator(cfg, self.engines, self.rank, self.world_size, self.device)
+                          if validates else None)
+        self.checkpoint_root = Path(t.checkpoint_dir or self.run_dir / "checkpoints")
+        self.checkpointer = Checkpointer(self.checkpoint_root, rank=self.rank,
+                                         keep_last=t.keep_last, barrier=self.dist.barrier,
+                                         log=self.log)
+        self.logger: RunLogger | None = None   # rank 0's, created when training starts
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -141,15 +157,99 @@ class Worker:
 
         return reduce_sum
 
+    # --- the run -----------------------------------------------------------------------------
     def train(self) -> list[dict[str, float]]:
+        """Resume if a checkpoint is found, then train to trainer.total_steps. Returns the
+        metrics of the steps run by this call."""
+        t = self.cfg.trainer
+        start = self.resume()
+        if self.rank == 0:
+            self.logger = RunLogger(self.cfg.logging, self.run_dir, t.total_steps,
+                                    start_step=start)
         history = []
         try:
-            for step in range(1, self.cfg.trainer.total_steps + 1):
+            if t.val_before_train and start == 0:
+                self._log(0, self.validate())
+            for step in range(start + 1, t.total_steps + 1):
                 metrics = self.run_step(step)
+                last = step == t.total_steps
+                if t.val_every and (step % t.val_every == 0 or last):
+                    metrics.update(self.validate())
                 history.append(metrics)
-                if self.logger is not None:
-                    self.logger.log(step, metrics)
+                self._log(step, metrics)
+                # After a step that finished cleanly: a step that raised (a NaN loss, say)
+                # never reaches this, so the previous checkpoint stays the newest.
+                if t.save_every and (step % t.save_every == 0 or last):
+                    self.save_checkpoint(step)
         finally:
             if self.logger is not None:
                 self.logger.close()
         return history
+
+    def _log(self, step: int, metrics: dict[str, float]) -> None:
+        if self.logger is not None:
+            self.logger.log(step, metrics)
+
+    def validate(self) -> dict[str, float]:
+        return self.validator.run().reduce(self.dist.cpu_group if self.dist.distributed else None)
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def stateful_engines(self) -> dict[str, Stateful]:
+        out = {}
+        for name in ("actor", "critic"):
+            engine = getattr(self.engines, name)
+            if engine is not None:
+                out[name] = Stateful(engine.model, engine.optimizer, engine.scheduler)
+        return out
+
+    def save_checkpoint(self, step: int) -> Path:
+        e = self.engines
+        state = {"loader": self.loader.state_dict(), "world_size": self.world_size,
+                 "versions": {name: getattr(e, name).version
+                              for name in self.stateful_engines()},
+                 "kl_controller": e.kl_controller.state_dict() if e.kl_controller else None}
+        path = self.checkpointer.save(step, self.stateful_engines(), state,
+                                      hf_files=self._write_hf_files)
+        self.log(f"checkpoint: step {step} -> {path}")
+        return path
+
+    def _write_hf_files(self, out: Path) -> None:
+        """What `dagrl export` needs beside the weights: model config and tokenizer."""
+        model = self.engines.actor.model if self.engines.actor else None
+        if model is not None:
+            model.config.save_pretrained(out)
+        self.engines.tokenizer.save_pretrained(out)
+
+    def resume(self) -> int:
+        """Load the checkpoint `trainer.resume` selects; returns its step (0: none)."""
+        path = resolve_resume(self.cfg.trainer.resume, self.checkpoint_root)
+        if path is None:
+            return 0
+        state = self.checkpointer.load(path, self.stateful_engines())
+        e = self.engines
+        self.loader.load_state_dict(state["loader"])
+        for name, version in state["versions"].items():
+            getattr(e, name).version = version
+        if e.kl_controller is not None and state["kl_controller"] is not None:
+            e.kl_controller.load_state_dict(state["kl_controller"])
+        e.synced_version = -1   # the generators still hold the initial weights
+        e.sync_rollout_weights()
+        step = int(state["step"])
+        if self.rank == 0:
+            truncate_metrics(self.run_dir / "metrics.jsonl", step)
+        self.log(f"resumed from {path} (step {step}, saved by {state['world_size']} worker(s), "
+                 f"now {self.world_size})")
+        return step
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drop the records after `last_step` from a metrics.jsonl (steps re-run after a resume),
+    replacing the file atomically."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= last_step]
+    if len(kept) != len(lines):
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(kept), encoding="utf-8")
+        os.replace(tmp, path)

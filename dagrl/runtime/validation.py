@@ -1,0 +1,87 @@
+"""Validation: generate on the test split with the current weights and score with the training
+reward manager, every worker on its own share of the rows.
+
+Metrics, per data source (reduced over all workers as exact global means):
+    val/<data_source>/score      mean score over all prompts and samples
+    val/<data_source>/pass@n     (rollout.val_n > 1) fraction of prompts with at least one
+                                 sample scored >= 1 (the built-in scorers give 1 for a correct
+                                 answer)
+    val/<data_source>/maj@n      (rollout.val_n > 1) the score of the most frequent response
+                                 text among a prompt's samples (ties: the first seen)
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import numpy as np
+import torch
+
+from dagrl.config.schema import Config
+from dagrl.data.dataset import ParquetPrompts, PromptLoader
+from dagrl.engines.sampling import SamplingParams, mix_seed
+from dagrl.observe.metrics import StepMetrics
+from dagrl.runtime.engines import Engines
+from dagrl.runtime.nodes import decode_responses
+
+# The "step" part of validation's sampling keys. Training steps start at 1, so validation
+# draws never coincide with a training step's; they are the same at every validation, so
+# scores at different steps differ by the weights alone (common random numbers).
+VAL_SEED_STEP = 0
+
+
+class Validator:
+    """Rows r, r + W, r + 2W, ... of `data.val_files` belong to rank r."""
+
+    def __init__(self, cfg: Config, engines: Engines, rank: int, world_size: int,
+                 device: torch.device) -> None:
+        if engines.generator is None or engines.reward_manager is None:
+            raise ValueError("validation needs the rollout generator and the reward manager")
+        d = cfg.data
+        source = ParquetPrompts(d.val_files, d.prompt_key)
+        # Only its tokenization is used (`batch_of_rows`); the batch settings do not matter.
+        self.loader = PromptLoader(source, engines.tokenizer, batch_size=world_size, rank=rank,
+                                   world_size=world_size, shuffle=False, tail="pad",
+                                   max_prompt_length=d.max_prompt_length,
+                                   truncation=d.truncation)
+        self.rows = np.arange(len(source))[rank::world_size]
+        self.cfg, self.engines, self.device = cfg, engines, device
+
+    def run(self) -> StepMetrics:
+        """This rank's validation statistics (reduce them over all ranks)."""
+        cfg, n = self.cfg, self.cfg.rollout.val_n
+        metrics = StepMetrics()
+        start = time.perf_counter()
+        chunk = self.cfg.data.val_batch_size
+        for i in range(0, len(self.rows), chunk):
+            self._score_rows(self.rows[i:i + chunk], n, metrics)
+        metrics.add_max("timing/validation_s", time.perf_counter() - start)
+        metrics.add_sum("val/samples", len(self.rows) * n)
+        return metrics
+
+    def _score_rows(self, rows: np.ndarray, n: int, metrics: StepMetrics) -> None:
+        r = self.cfg.rollout
+        batch = self.loader.batch_of_rows(rows).repeat_interleave(n).to(self.device)
+        sample_index = torch.arange(n).repeat(len(rows))
+        seeds = mix_seed(self.cfg.trainer.seed, VAL_SEED_STEP, batch["row_index"].cpu(),
+                         sample_index)
+        out = self.engines.generator.generate(
+            batch["prompt_ids"], batch["prompt_mask"], seeds.to(self.device),
+            SamplingParams(r.val_temperature, r.top_k, r.top_p),
+            max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens)
+        texts = decode_responses(self.engines.tokenizer, out.responses, out.response_mask)
+        result = self.engines.reward_manager.score(
+            texts, batch["data_source"], batch["ground_truth"], batch["extra_info"],
+            sample_ids=[f"val/{uid}/{i % n}" for i, uid in enumerate(batch["uid"])])
+        scores = torch.tensor(result.scores, dtype=torch.float64).view(len(rows), n)
+        sources = batch["data_source"][::n]
+        for p, source in enumerate(sources):
+            prefix = f"val/{source}"
+            metrics.add_mean(f"{prefix}/score", float(scores[p].sum()), n)
+            if n > 1:
+                metrics.add_mean(f"{prefix}/pass@{n}", float((scores[p] >= 1.0).any()), 1)
+                answers = [t.strip() for t in texts[p * n:(p + 1) * n]]
+                majority = Counter(answers).most_common(1)[0][0]
+                metrics.add_mean(f"{prefix}/maj@{n}", float(scores[p, answers.index(majority)]), 1)
+        metrics.add_sum("val/reward_errors", result.n_errors)
