@@ -55,6 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from dagrl.runtime.distributed import env_world
     from dagrl.runtime.launch import launch, run_worker_from_env
 
+    user_errors = _user_errors()
     if env_world() is not None:   # started by torchrun: this process is one worker
         run_worker_from_env(cfg)
         # Training is over and the process group is destroyed. Skip the interpreter's teardown:
@@ -65,8 +66,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(0)
     else:
-        launch(cfg)
+        try:
+            launch(cfg)
+        except user_errors as err:
+            # Bad input or a failed run: the message names the cause; a traceback adds noise.
+            print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+            return 1
     return 0
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from dagrl.data.dataset import DatasetError
+    from dagrl.engines.models import TokenizerError
+    from dagrl.rewards.manager import RewardError
+    from dagrl.runtime.checkpoint import CheckpointError
+    from dagrl.runtime.launch import RunDirError
+    from dagrl.runtime.ray_launcher import WorkerFailed
+
+    return (DatasetError, TokenizerError, RewardError, CheckpointError, RunDirError, WorkerFailed,
+            FileNotFoundError, FloatingPointError)
 
 
 if __name__ == "__main__":

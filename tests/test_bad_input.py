@@ -29,7 +29,7 @@ from dagrl.runtime.launch import launch
 # A small, quick run: 4 prompts x 2 samples, one step.
 SMALL = ["logging.progress_bar=false", "logging.console_every=1000", "trainer.torch_threads=1",
          "trainer.total_steps=1", "data.train_batch_size=4", "actor.mini_batch_size=4",
-         "rollout.n=2", "rollout.max_new_tokens=4"]
+         "rollout.n=2", "rollout.max_new_tokens=4", "trainer.save_every=1"]
 
 
 def arith_rows(n: int, start: int = 0) -> list[dict]:
@@ -327,3 +327,26 @@ def test_counted_bad_rewards_finish_the_run(tmp_path, tiny_model_dir, good_file)
     # rows 1 and 2 of the first 4 fail (NaN, raise), 2 samples each
     assert history[0]["reward/errors"] == 4
     assert math.isfinite(history[0]["reward/mean"])
+
+
+def test_unwritable_run_directory_is_named_before_any_work(tmp_path, tiny_model_dir, good_file):
+    from dagrl.runtime.launch import RunDirError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(RunDirError, match=r"trainer.run_dir='.*a-file/run' cannot be written"):
+        launch(load_config(Config, None, [f"trainer.run_dir={blocker / 'run'}",
+                                          f"model.path={tiny_model_dir}",
+                                          f"data.train_files=[{good_file}]", *SMALL]))
+    assert blocker.read_text() == "not a directory"
+
+
+def test_cli_prints_the_error_without_a_traceback(tmp_path, tiny_model_dir, capsys):
+    from dagrl.train import main
+
+    code = main([f"trainer.run_dir={tmp_path / 'run'}", f"model.path={tiny_model_dir}",
+                 f"data.train_files=[{tmp_path / 'missing.parquet'}]", *SMALL])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "error: DatasetError:" in err and "missing.parquet: no such parquet file" in err
+    assert "Traceback" not in err

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from dagrl.config.loader import load_config
+from dagrl.config.presets import load_run_config
 from dagrl.config.schema import Config
 from dagrl.runtime import checkpoint as ckpt
 from dagrl.runtime.checkpoint import CheckpointError, list_checkpoints
@@ -36,7 +36,7 @@ def stable(record: dict) -> dict:
 
 
 def config(run_dir, *overrides) -> Config:
-    return load_config(Config, None, [f"trainer.run_dir={run_dir}", *FAST, *overrides])
+    return load_run_config(None, [f"trainer.run_dir={run_dir}", *FAST, *overrides])
 
 
 class Crash(Exception):
@@ -82,6 +82,24 @@ def test_killed_run_resumes_with_identical_metrics(tmp_path, monkeypatch, uninte
     assert [r["step"] for r in resumed] == list(range(1, total + 1))   # re-run steps replaced
     for ours, ref in zip(resumed, uninterrupted[:total]):
         assert stable(ours) == stable(ref), ours["step"]
+
+
+def test_ppo_resume_restores_the_critic_and_the_adaptive_kl_controller(tmp_path, monkeypatch):
+    ppo = ["algorithm.name=ppo", "algorithm.kl_ctrl=adaptive", "trainer.total_steps=4"]
+    reference = tmp_path / "reference"
+    launch(config(reference, *ppo))
+    run_dir = tmp_path / "run"
+    crash_at(monkeypatch, 4)
+    with pytest.raises(Crash):
+        launch(config(run_dir, *ppo, "trainer.save_every=2"))
+    monkeypatch.undo()
+    state = json.loads((run_dir / "checkpoints" / "step_00000002" / "trainer_state.json")
+                       .read_text())
+    assert set(state["versions"]) == {"actor", "critic"} and state["kl_controller"]["value"] > 0
+    launch(config(run_dir, *ppo, "trainer.save_every=2"))
+    resumed, expected = metrics(run_dir), metrics(reference)
+    assert "critic/vf_loss" in resumed[-1] and "actor/kl_coef" in resumed[-1]
+    assert [stable(r) for r in resumed] == [stable(r) for r in expected]
 
 
 def test_interrupted_checkpoint_write_leaves_the_previous_one_loadable(tmp_path, monkeypatch):

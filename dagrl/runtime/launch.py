@@ -57,9 +57,25 @@ def materialize_builtins(cfg: Config, run_dir: Path) -> Config:
         trainer=dataclasses.replace(cfg.trainer, run_dir=str(run_dir)))
 
 
+class RunDirError(OSError):
+    """The run directory cannot be created or written."""
+
+
+def check_writable(run_dir: Path) -> None:
+    """Create `run_dir` and prove a file can be written there, before any work is done."""
+    probe = run_dir / ".write-test"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as err:
+        raise RunDirError(f"trainer.run_dir={str(run_dir)!r} cannot be written "
+                          f"({err.strerror or err}); choose another directory") from err
+
+
 def prepare_run(cfg: Config) -> Config:
     run_dir = resolve_run_dir(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    check_writable(run_dir)
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))   # as the user configured it
     resolved = materialize_builtins(cfg, run_dir)
     (run_dir / "config.resolved.yaml").write_text(dump_yaml(resolved))

@@ -34,12 +34,11 @@ VAL_SEED_STEP = 0
 class Validator:
     """Rows r, r + W, r + 2W, ... of `data.val_files` belong to rank r."""
 
-    def __init__(self, cfg: Config, engines: Engines, rank: int, world_size: int,
-                 device: torch.device) -> None:
+    def __init__(self, cfg: Config, source: ParquetPrompts, engines: Engines, rank: int,
+                 world_size: int, device: torch.device) -> None:
         if engines.generator is None or engines.reward_manager is None:
             raise ValueError("validation needs the rollout generator and the reward manager")
         d = cfg.data
-        source = ParquetPrompts(d.val_files, d.prompt_key)
         # Only its tokenization is used (`batch_of_rows`); the batch settings do not matter.
         self.loader = PromptLoader(source, engines.tokenizer, batch_size=world_size, rank=rank,
                                    world_size=world_size, shuffle=False, tail="pad",
@@ -50,7 +49,7 @@ class Validator:
 
     def run(self) -> StepMetrics:
         """This rank's validation statistics (reduce them over all ranks)."""
-        cfg, n = self.cfg, self.cfg.rollout.val_n
+        n = self.cfg.rollout.val_n
         metrics = StepMetrics()
         start = time.perf_counter()
         chunk = self.cfg.data.val_batch_size

@@ -84,19 +84,23 @@ class Worker:
         validates = t.val_every > 0 or t.val_before_train
         if validates:   # every rank validates its share of the test split
             needed |= {"rollout", "reward"}
+        # The data first: a bad file is reported before minutes of model loading.
+        d = cfg.data
+        train_source = ParquetPrompts(d.train_files, d.prompt_key)
+        val_source = (ParquetPrompts(d.val_files, d.prompt_key, config_key="data.val_files")
+                      if validates else None)
         self.engines = build_engines(cfg, needed, self.device, world_size=self.world_size,
                                      log=self.log)
-        d = cfg.data
         self.loader = PromptLoader(
-            ParquetPrompts(d.train_files, d.prompt_key), self.engines.tokenizer,
+            train_source, self.engines.tokenizer,
             batch_size=d.train_batch_size, rank=self.rank, world_size=self.world_size,
             seed=cfg.trainer.seed, shuffle=d.shuffle, tail=d.tail,
             max_prompt_length=d.max_prompt_length, truncation=d.truncation)
         if self.loader.dropped_per_epoch:
             self.log(f"data: {self.loader.dropped_per_epoch} prompt(s) per epoch do not fill a "
                      f"batch of {d.train_batch_size} and are dropped (data.tail=drop)")
-        self.validator = (Validator(cfg, self.engines, self.rank, self.world_size, self.device)
-                          if validates else None)
+        self.validator = (Validator(cfg, val_source, self.engines, self.rank, self.world_size,
+                                    self.device) if validates else None)
         self.checkpoint_root = Path(t.checkpoint_dir or self.run_dir / "checkpoints")
         self.checkpointer = Checkpointer(self.checkpoint_root, rank=self.rank,
                                          keep_last=t.keep_last, barrier=self.dist.barrier,
