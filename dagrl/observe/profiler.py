@@ -208,11 +208,13 @@ def _meta(kind: str, pid: int, tid: int, **args) -> dict:
     return {"ph": "M", "name": kind, "pid": pid, "tid": tid, "args": args}
 
 
-def top_spans(trace: dict, limit: int = 15) -> list[dict]:
-    """The complete events taking the most total time: name, category, count, total_ms."""
+def top_spans(trace: dict, limit: int = 15, skip_categories: frozenset | set = frozenset()
+              ) -> list[dict]:
+    """The complete events taking the most total (inclusive) time, summed over ranks:
+    name, cat, count, total_ms."""
     totals: dict[tuple[str, str], list[float]] = {}
     for e in trace.get("traceEvents", []):
-        if e.get("ph") == "X" and "dur" in e:
+        if e.get("ph") == "X" and "dur" in e and e.get("cat", "") not in skip_categories:
             entry = totals.setdefault((e.get("name", ""), e.get("cat", "")), [0, 0.0])
             entry[0] += 1
             entry[1] += float(e["dur"]) / 1000
