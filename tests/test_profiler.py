@@ -129,3 +129,38 @@ def test_flops_and_peaks(tiny_model):
     assert role_flops_per_token("actor_update", n, passes=2) == 12 * n
     assert role_flops_per_token("rollout", n) == 2 * n
     assert role_flops_per_token("reward", n) == 0
+
+
+def test_nested_task_peak_counts_towards_the_enclosing_task(monkeypatch):
+    import torch
+
+    from dagrl.observe import memory
+
+    peaks = iter([100, 50, 70])      # outer before the inner reset, inner's peak, outer's rest
+    monkeypatch.setattr(memory, "peak_memory_bytes", lambda device: next(peaks))
+    monkeypatch.setattr(memory, "reset_peak_memory", lambda device: None)
+    m = memory.NodeMemory(torch.device("cuda"))
+    m.start()
+    m.start()
+    assert m.stop()[1] == 50
+    assert m.stop()[1] == 100         # max(100 before the nested reset, 50, 70 after)
+
+
+def test_a_task_inside_a_recorded_task_is_a_nested_span(tmp_path):
+    import torch
+
+    from dagrl.config.schema import ProfilerConfig
+    from dagrl.dag.planner import Task
+    from dagrl.observe.profiler import TaskProfiler
+
+    prof = TaskProfiler(ProfilerConfig(enable=True, steps=[1]), {"filter", "rollout"}, 0,
+                        torch.device("cpu"), tmp_path)
+    with prof.task(1, Task("node", "filter", "filter")):        # DAPO's filter calls ctx.more()
+        with prof.task(1, Task("node", "rollout", "rollout")):
+            torch.ones(4) @ torch.ones(4)
+    prof.counter({"host_rss_mb": 1.0})
+    path = prof.finish(1, None, distributed=False)
+    spans = {e["name"]: e for e in json.loads(path.read_text())["traceEvents"]
+             if e.get("cat") == "user_annotation"}
+    outer, inner = spans["node:filter"], spans["node:rollout"]
+    assert outer["ts"] <= inner["ts"] and inner["ts"] + inner["dur"] <= outer["ts"] + outer["dur"]

@@ -79,13 +79,21 @@ def layers(graph: GraphSpec, order: list[str]) -> dict[str, int]:
 CHAR_W, BOX_H, ROW_GAP, COL_GAP, PAD = 7.0, 30, 28, 24, 16
 
 
+def _node_label(graph: GraphSpec, node_id: str) -> str:
+    """`id [role]`, with `@0,1` when the node is placed on a subset of ranks."""
+    node = graph.node(node_id)
+    ranks = node.options.get("ranks")
+    return _label(node_id, node.role) + (f" @{','.join(map(str, ranks))}" if ranks else "")
+
+
 def to_svg(graph: GraphSpec, order: list[str], plans: list[RankPlan]) -> str:
     """A standalone SVG: the graph on the left, one column per rank's task list on the right."""
     depth = layers(graph, order)
     rows: dict[int, list[str]] = {}
     for node_id in order:
         rows.setdefault(depth[node_id], []).append(node_id)
-    width_of = {n: CHAR_W * len(_label(n, graph.node(n).role)) + 20 for n in order}
+    labels = {n: _node_label(graph, n) for n in order}
+    width_of = {n: CHAR_W * len(labels[n]) + 20 for n in order}
     row_widths = {d: sum(width_of[n] for n in ids) + COL_GAP * (len(ids) - 1)
                   for d, ids in rows.items()}
     graph_w = max(row_widths.values()) + 2 * PAD
@@ -105,12 +113,8 @@ def to_svg(graph: GraphSpec, order: list[str], plans: list[RankPlan]) -> str:
                          f'y2="{y2 - BOX_H / 2:.1f}" stroke="#555" stroke-width="1.2" '
                          f'marker-end="url(#arrow)"/>')
     for n in order:
-        node = graph.node(n)
-        label = _label(n, node.role)
-        if "ranks" in node.options:
-            label += f" @{','.join(map(str, node.options['ranks']))}"
         parts.append(_box(pos[n][0] - width_of[n] / 2, pos[n][1] - BOX_H / 2, width_of[n],
-                          _colour(node.role), label, node_id=n))
+                          _colour(graph.node(n).role), labels[n], node_id=n))
     graph_h = title_h + PAD + len(rows) * (BOX_H + ROW_GAP)
     # Per-rank task lists, side by side.
     x = graph_w + 2 * PAD

@@ -35,14 +35,25 @@ def host_peak_bytes() -> int:
 
 
 class NodeMemory:
-    """Brackets one task: `start()` before, `stop()` after -> (host RSS, device peak) in bytes
-    (device peak None on the CPU)."""
+    """Brackets tasks: `start()` before, `stop()` after -> (host RSS, device peak) in bytes
+    (device peak None on the CPU). Tasks may nest (DAPO's filter re-runs earlier tasks from
+    inside its node): a nested task's peak still counts towards the enclosing task's."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._open: list[int] = []      # per open task: the highest peak of tasks it enclosed
 
     def start(self) -> None:
+        if self._open:                  # the reset below would lose the enclosing task's peak
+            self._open[-1] = max(self._open[-1], peak_memory_bytes(self.device) or 0)
+        self._open.append(0)
         reset_peak_memory(self.device)
 
     def stop(self) -> tuple[int, int | None]:
-        return host_rss_bytes(), peak_memory_bytes(self.device)
+        enclosed = self._open.pop()
+        peak = peak_memory_bytes(self.device)
+        if peak is not None:
+            peak = max(peak, enclosed)
+            if self._open:
+                self._open[-1] = max(self._open[-1], peak)
+        return host_rss_bytes(), peak
