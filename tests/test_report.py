@@ -203,3 +203,17 @@ def test_report_renders_in_headless_chromium(run_dir, tmp_path):
     assert pixels.shape[:2] == (3000, 1400)
     # Not a blank page: plots fill a good share of it with non-white pixels.
     assert (pixels[..., :3].mean(-1) < 0.9).mean() > 0.05
+
+
+def test_report_plots_validation_scores_and_survives_a_bare_run_dir(tmp_path):
+    from dagrl.observe.report import render_report
+
+    rows = [{"step": 0, "val/arith/score": 0.1, "val/samples": 64, "timing/validation_s": 1.0}]
+    rows += [{"step": s, "reward/mean": 0.1 * s, "timing/step_s": 1.0, "timing/rollout_s": 0.6,
+              "timing/actor_update_s": 0.3, "val/arith/score": 0.1 + 0.1 * s} for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    parser = _Sections()
+    html = render_report(tmp_path)              # no config.resolved.yaml: no DAG picture
+    parser.feed(html)
+    assert len(parser.plots["validation"]) == 1 and len(parser.plots["node_time"]) == 1
+    assert parser.plots["kl"] == [] and "could not be drawn" in html

@@ -21,9 +21,11 @@ from typing import Callable
 
 from dagrl.observe.profiler import MERGED_TRACE, PROFILE_DIR, top_spans
 
-# Metrics that are not a node's time although they are named timing/*_s.
-STEP_TIMINGS = {"timing/step_s", "timing/weight_sync_s"}
+# Metrics named timing/*_s that are not a task of the plan (used when the plan is unknown).
+STEP_TIMINGS = {"timing/step_s", "timing/weight_sync_s", "timing/validation_s"}
+# Validation scores (val/<data_source>/score, pass@n, maj@n, ...), not its counts.
 VALIDATION = re.compile(r"^val(idation)?[-_/]")
+NOT_A_SCORE = re.compile(r"(samples|errors)$")
 
 
 class ReportError(Exception):
@@ -109,6 +111,7 @@ def _node_times(rows, task_names):
     keys = node_time_keys(rows, task_names)
     if not keys:
         return None
+    rows = [r for r in rows if "timing/step_s" in r]   # not a validation-only row (step 0)
     fig, ax = _figure()
     steps = [r["step"] for r in rows]
     stacks = [[float(r.get(k) or 0.0) for r in rows] for k in keys]
@@ -157,7 +160,7 @@ def _memory(rows, task_names):
 
 
 def _validation(rows, _):
-    keys = sorted({k for r in rows for k in r if VALIDATION.match(k)})
+    keys = sorted({k for r in rows for k in r if VALIDATION.match(k) and not NOT_A_SCORE.search(k)})
     return _lines(rows, [(k, k) for k in keys], "score") if keys else None
 
 
