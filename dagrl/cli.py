@@ -2,6 +2,8 @@
 
     dagrl train [CONFIG] [key=value ...] [--print-config]
     dagrl plan  [CONFIG] [key=value ...]        # the graph and each rank's task list
+    dagrl plan  --format dot|svg [--out FILE]   # ... drawn (Graphviz DOT, or SVG)
+    dagrl report RUN_DIR                        # RUN_DIR/report.html: plots, DAG, config, trace
     dagrl data make arith --out DIR [--seed S]  # the default task as verl-layout parquet
     dagrl export CHECKPOINT|RUN_DIR --out DIR   # a checkpoint's actor as a HF model directory
     dagrl bench dataplane [--workers 2,4,8] ... # our reshard vs a single-controller emulation
@@ -23,9 +25,13 @@ def plan_main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="dagrl plan",
                                      description="Show the DAG and every rank's task list "
                                                  "without loading any model.")
+    parser.add_argument("--format", choices=("text", "dot", "svg"), default="text",
+                        help="text (default), Graphviz DOT, or an SVG picture (no Graphviz needed)")
+    parser.add_argument("--out", help="write to this file instead of standard output")
     parser.add_argument("args", nargs="*", help="[CONFIG.yaml] [key=value ...]")
     ns = parser.parse_args(argv)
     from dagrl.config.loader import ConfigError
+    from dagrl.dag.draw import to_dot, to_svg
     from dagrl.dag.planner import format_plan
     from dagrl.dag.spec import GraphError
     from dagrl.registry import UnknownNameError
@@ -38,7 +44,32 @@ def plan_main(argv: Sequence[str]) -> int:
     except (ConfigError, GraphError, UnknownNameError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(format_plan(graph, order, plans))
+    render = {"text": lambda *a: format_plan(*a) + "\n", "dot": to_dot, "svg": to_svg}[ns.format]
+    text = render(graph, order, plans)
+    if ns.out:
+        with open(ns.out, "w", encoding="utf-8") as f:
+            f.write(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def report_main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dagrl report",
+                                     description="Write RUN_DIR/report.html: metric plots, the "
+                                                 "DAG, the resolved config and the top time "
+                                                 "consumers of the profiler trace.")
+    parser.add_argument("run_dir", help="a run directory (holds metrics.jsonl)")
+    parser.add_argument("--out", help="default: RUN_DIR/report.html")
+    ns = parser.parse_args(argv)
+    from dagrl.observe.report import ReportError, write_report
+
+    try:
+        path = write_report(ns.run_dir, ns.out)
+    except (ReportError, ImportError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(path)
     return 0
 
 
@@ -83,6 +114,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return train_main(rest)
     if command == "plan":
         return plan_main(rest)
+    if command == "report":
+        return report_main(rest)
     if command == "data":
         return data_main(rest)
     if command == "bench":

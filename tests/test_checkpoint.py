@@ -23,8 +23,8 @@ from dagrl.runtime.worker import Worker
 from tests.dist_helpers import free_port
 
 FAST = ["logging.progress_bar=false", "logging.console_every=1000", "trainer.torch_threads=1"]
-# What a step computes; timings and throughput differ from run to run.
-VOLATILE = ("timing/", "throughput/")
+# What a step computes; timings, memory and throughput differ from run to run.
+VOLATILE = ("timing/", "throughput/", "memory/", "perf/")
 
 
 def metrics(run_dir):

@@ -264,14 +264,45 @@ class TrainerConfig:
 
 @dataclass
 class LoggingConfig:
-    backends: list[Literal["console", "jsonl"]] = field(
+    # metrics.jsonl is always written (`dagrl report` reads it); tensorboard, wandb and mlflow
+    # need their extras: pip install 'dagrl[tensorboard]' (or wandb, mlflow).
+    backends: list[Literal["console", "jsonl", "tensorboard", "wandb", "mlflow"]] = field(
         default_factory=lambda: ["console", "jsonl"])
     progress_bar: bool = True
     # Print a one-line summary every this many steps (the progress bar updates every step).
     console_every: int = 10
+    # The wandb project / MLflow experiment the run is logged under.
+    project: str = "dagrl"
+    # The wandb / MLflow run name; empty: the run directory's name.
+    run_name: str = ""
+    # offline: wandb writes RUN_DIR/wandb/offline-run-* and never touches the network
+    # (`wandb sync` uploads it later).
+    wandb_mode: Literal["offline", "online"] = "offline"
+    # Empty: a local MLflow file store in RUN_DIR/mlruns.
+    mlflow_tracking_uri: str = ""
 
     def __post_init__(self) -> None:
         _check(self.console_every > 0, "console_every must be > 0")
+        _check(bool(self.project), "project must not be empty")
+
+
+@dataclass
+class ProfilerConfig:
+    """torch.profiler around the chosen tasks: a Chrome trace per rank in RUN_DIR/profile/ and
+    one merged timeline, RUN_DIR/profile/trace.json (see docs/observability.md)."""
+    enable: bool = False
+    # Roles whose node tasks (and the reshard/balance tasks before them) are recorded; empty:
+    # every role.
+    roles: list[str] = field(default_factory=list)
+    # Steps to record (1-based).
+    steps: list[int] = field(default_factory=lambda: [1])
+    # Ranks that record; empty: every rank.
+    ranks: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        _check(len(self.steps) > 0 and all(s > 0 for s in self.steps),
+               "steps must list at least one step number > 0")
+        _check(all(r >= 0 for r in self.ranks), "ranks must be >= 0")
 
 
 @dataclass
@@ -287,6 +318,7 @@ class Config:
     dag: DagConfig = field(default_factory=DagConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
 
     def __post_init__(self) -> None:
         # Cross-section checks: the batch must split evenly into mini-batches and workers.
@@ -299,3 +331,9 @@ class Config:
         _check(not (self.trainer.val_every or self.trainer.val_before_train)
                or bool(self.data.val_files),
                "trainer.val_every / trainer.val_before_train need data.val_files")
+        p = self.profiler
+        _check(not p.enable or max(p.steps) <= self.trainer.total_steps,
+               f"profiler.steps {p.steps} lie beyond trainer.total_steps "
+               f"({self.trainer.total_steps})")
+        _check(not p.enable or all(r < self.trainer.n_workers for r in p.ranks),
+               f"profiler.ranks {p.ranks} must be < trainer.n_workers ({self.trainer.n_workers})")

@@ -1,4 +1,6 @@
-"""Where a step's metrics go: a progress bar with a compact console line, and metrics.jsonl.
+"""Where a step's metrics go: a progress bar with a compact console line, metrics.jsonl
+(always: `dagrl report` reads it), and TensorBoard / wandb / MLflow when selected in
+`logging.backends` (dagrl/observe/backends.py).
 
 Only rank 0 creates a RunLogger; the metrics it receives are already reduced over all ranks.
 """
@@ -16,7 +18,8 @@ from dagrl.config.schema import LoggingConfig
 
 # The metrics shown on the console line, in this order, with their short labels.
 CONSOLE_KEYS = [("reward/mean", "reward"), ("response/length/mean", "len"), ("actor/kl", "kl"),
-                ("actor/entropy", "ent"), ("actor/grad_norm", "gnorm"), ("timing/step_s", "s/step")]
+                ("actor/entropy", "ent"), ("actor/grad_norm", "gnorm"), ("timing/step_s", "s/step"),
+                ("throughput/tokens_per_s", "tok/s")]
 
 
 class JsonlLogger:
@@ -59,11 +62,26 @@ class ConsoleLogger:
 class RunLogger:
     def __init__(self, cfg: LoggingConfig, run_dir: Path, total_steps: int, start_step: int = 0):
         self.backends = []
-        if "console" in cfg.backends:
-            self.backends.append(ConsoleLogger(total_steps, start_step, cfg.console_every,
-                                               cfg.progress_bar))
-        if "jsonl" in cfg.backends:
+        try:
+            if "console" in cfg.backends:
+                self.backends.append(ConsoleLogger(total_steps, start_step, cfg.console_every,
+                                                   cfg.progress_bar))
             self.backends.append(JsonlLogger(run_dir / "metrics.jsonl"))
+            optional = [b for b in cfg.backends if b in ("tensorboard", "wandb", "mlflow")]
+            if optional:
+                from dagrl.observe import backends
+
+                config = _resolved_config(run_dir)
+                for name in optional:
+                    if name == "tensorboard":
+                        self.backends.append(backends.TensorBoardLogger(run_dir, config))
+                    elif name == "wandb":
+                        self.backends.append(backends.WandbLogger(cfg, run_dir, config))
+                    else:
+                        self.backends.append(backends.MlflowLogger(cfg, run_dir, config))
+        except BaseException:
+            self.close()
+            raise
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for backend in self.backends:
@@ -72,3 +90,14 @@ class RunLogger:
     def close(self) -> None:
         for backend in self.backends:
             backend.close()
+        self.backends = []
+
+
+def _resolved_config(run_dir: Path) -> dict | None:
+    """The run's resolved config (written by launch.prepare_run), for wandb/MLflow/TensorBoard."""
+    path = run_dir / "config.resolved.yaml"
+    if not path.exists():
+        return None
+    import yaml
+
+    return yaml.safe_load(path.read_text())

@@ -43,3 +43,39 @@ def worker_device(kind: str, local_rank: int = 0) -> torch.device:
 
 def collective_backend(kind: str) -> str:
     return BACKENDS[kind]
+
+
+def device_name(device: torch.device) -> str:
+    """The accelerator's marketing name (e.g. 'NVIDIA H100 80GB HBM3'); 'cpu' on the CPU."""
+    if device.type == "cpu":
+        return "cpu"
+    return str(getattr(torch, device.type).get_device_name(device))
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak for `peak_memory_bytes` (no-op on the CPU)."""
+    if device.type != "cpu":
+        getattr(torch, device.type).reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    """Most device memory allocated by tensors since the last reset; None on the CPU."""
+    if device.type == "cpu":
+        return None
+    return int(getattr(torch, device.type).max_memory_allocated(device))
+
+
+def profiler_for(kind: str):
+    """(profile, activities) for this device type: torch.profiler recording CPU (and CUDA)
+    activity, or torch_npu's profiler with the NPU activity on Ascend."""
+    if kind == "npu":
+        import torch_npu
+
+        prof = torch_npu.profiler
+        return prof.profile, [prof.ProfilerActivity.CPU, prof.ProfilerActivity.NPU]
+    from torch import profiler as prof
+
+    activities = [prof.ProfilerActivity.CPU]
+    if kind == "cuda":
+        activities.append(prof.ProfilerActivity.CUDA)
+    return prof.profile, activities

@@ -3,7 +3,7 @@
     for step in steps:
         batch = this rank's slice of the step's prompts (read from parquet by this rank)
         for task in this rank's plan:
-            node task    -> batch = role(ctx, batch)          (timed: timing/<node>_s)
+            node task    -> batch = role(ctx, batch)  (timed, memory, profiled: observe/observer.py)
             reshard      -> samples move to the next node's ranks (all_to_all, no coordinator)
             balance      -> whole groups move so ranks hold similar token counts
         metrics = reduce(this rank's statistics) over all ranks
@@ -19,6 +19,7 @@ prepares the run directory and tells the others the resolved config.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -36,6 +37,7 @@ from dagrl.data.buffer import balance, reshard
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
 from dagrl.observe.loggers import RunLogger
 from dagrl.observe.metrics import StepMetrics
+from dagrl.observe.observer import StepObserver
 from dagrl.runtime.checkpoint import Checkpointer, Stateful, resolve_resume
 from dagrl.runtime.distributed import DistContext, create_layout_groups
 from dagrl.runtime.engines import build_engines
@@ -105,6 +107,9 @@ class Worker:
         self.checkpointer = Checkpointer(self.checkpoint_root, rank=self.rank,
                                          keep_last=t.keep_last, barrier=self.dist.barrier,
                                          log=self.log)
+        # Per-task timing, memory, FLOPs and the profiler (dagrl/observe/observer.py).
+        self.observer = StepObserver(cfg, self.graph, self.engines, self.rank, self.world_size,
+                                     self.device, self.dist.cpu_group)
         self.logger: RunLogger | None = None   # rank 0's, created when training starts
 
     def log(self, message: str) -> None:
@@ -120,19 +125,15 @@ class Worker:
         metrics.add_max("timing/step_s", step_s)
         metrics.add_sum("batch/samples", len(batch))
         result = metrics.reduce(self.dist.cpu_group if self.dist.distributed else None)
-        if "tokens/total" in result:
-            result["throughput/tokens_per_s"] = result["tokens/total"] / result["timing/step_s"]
-        return result
+        return self.observer.finish_step(step, result)
 
     def run_tasks(self, tasks, step: int, metrics: StepMetrics):
         """Run `tasks` (a prefix of the plan, or all of it) on this rank's next prompts."""
         batch = self.loader.next_batch().to(self.device)
         most = len(batch)
         for i, task in enumerate(tasks):
-            start = time.perf_counter()
-            batch = self.run_task(task, batch, step, metrics, upstream=tasks[:i])
-            name = task.node_id if task.kind == "node" else f"{task.kind}_{task.node_id}"
-            metrics.add_max(f"timing/{name}_s", time.perf_counter() - start)
+            batch = self.observer.run(step, task, metrics, functools.partial(
+                self.run_task, task, batch, step, metrics, upstream=tasks[:i]))
             most = max(most, len(batch))
         # The most samples this rank held at any point: no rank should ever hold the global batch.
         metrics.add_max("batch/max_samples_per_rank", most)
