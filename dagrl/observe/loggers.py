@@ -47,10 +47,15 @@ class ConsoleLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         shown = {label: metrics[key] for key, label in CONSOLE_KEYS if key in metrics}
-        if self.bar is not None:
+        # Validation scores (val/<data_source>/score, pass@n, maj@n) whenever a step has them.
+        validated = {key[len("val/"):]: v for key, v in metrics.items()
+                     if key.startswith("val/") and key.rsplit("/", 1)[-1].startswith(
+                         ("score", "pass@", "maj@"))}
+        if self.bar is not None and step > 0:   # step 0: validation before training
             self.bar.update(1)
             self.bar.set_postfix({k: f"{v:.3g}" for k, v in shown.items()}, refresh=False)
-        if step % self.every == 0 or step == 1:
+        shown.update({f"val:{k}": v for k, v in validated.items()})
+        if step % self.every == 0 or step == 1 or validated:
             line = f"step {step}: " + "  ".join(f"{k}={v:.4g}" for k, v in shown.items())
             (self.bar.write if self.bar is not None else print)(line)
 
