@@ -112,9 +112,9 @@ class Checkpointer:
     """
 
     def __init__(self, root: Path, *, rank: int, keep_last: int,
-                 barrier: Callable[[], None], log: Callable[[str], None] = print) -> None:
+                 barrier: Callable[[], None]) -> None:
         self.root, self.rank, self.keep_last = Path(root), rank, keep_last
-        self.barrier, self.log = barrier, log
+        self.barrier = barrier
 
     # --- save ------------------------------------------------------------------------------
     def save(self, step: int, engines: dict[str, Stateful], trainer_state: dict,

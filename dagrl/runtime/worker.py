@@ -105,8 +105,7 @@ class Worker:
                                     self.device) if validates else None)
         self.checkpoint_root = Path(t.checkpoint_dir or self.run_dir / "checkpoints")
         self.checkpointer = Checkpointer(self.checkpoint_root, rank=self.rank,
-                                         keep_last=t.keep_last, barrier=self.dist.barrier,
-                                         log=self.log)
+                                         keep_last=t.keep_last, barrier=self.dist.barrier)
         # Per-task timing, memory, FLOPs and the profiler (dagrl/observe/observer.py).
         self.observer = StepObserver(cfg, self.graph, self.engines, self.rank, self.world_size,
                                      self.device, self.dist.cpu_group)
