@@ -20,6 +20,7 @@ from dagrl.config.schema import ActorConfig, AlgorithmConfig
 from dagrl.data.batch import Batch
 from dagrl.engines.forward import batch_logprobs, response_logprobs
 from dagrl.engines.train_engine import TrainEngine, token_mean
+from dagrl.engines.weight_sync import gather_full_weights
 from dagrl.observe.metrics import StepMetrics
 
 
@@ -91,9 +92,7 @@ class ActorEngine(TrainEngine):
             token_mean(metrics, f"actor/{name}", value, mask)
         return loss, pg_loss
 
-    @torch.no_grad()
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(name, full tensor) for every parameter, gathered one at a time from the shards."""
-        for name, param in self.model.named_parameters():
-            tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
-            yield name, tensor.detach()
+        """(name, full tensor) for every parameter, gathered from the shards bucket by bucket
+        (engines/weight_sync.py); a collective over the actor's ranks."""
+        return gather_full_weights(self.model)

@@ -2,8 +2,9 @@
 
 Actor and reference are FSDP2-sharded over all workers; the rollout generator is a full,
 unsharded copy on each worker (generation needs every weight at every step). After each actor
-update every worker takes part in gathering the full weights, and the ones that generate copy
-them into their generator, parameter by parameter, so no second full copy is held.
+update every worker takes part in gathering the full weights, bucket by bucket
+(engines/weight_sync.py), and the ones that generate copy them into their generator in place,
+so no second full copy of the model is held.
 """
 
 from __future__ import annotations
