@@ -166,3 +166,25 @@ def test_unsupported_architectures_fall_back():
     out = gen.generate(torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]]),
                        torch.arange(2), SamplingParams(), max_new_tokens=4)
     assert out.responses.shape == (2, 4)
+
+
+def test_stop_tokens_end_responses_on_both_paths(setup):
+    model, tok, ids, mask = setup
+    fast, _ = generators(model, tok)
+    seeds = seeds_for(len(PROMPTS))
+    free = fast.generate(ids, mask, seeds, SamplingParams(temperature=0), max_new_tokens=12)
+    stop_id = int(free.responses[0, 2])   # what row 0 emits third: make it a stop token
+    kwargs = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                  stop_token_ids=[stop_id])
+    for gen in (Generator(model, **kwargs), Generator(model, **kwargs, fast=False)):
+        out = gen.generate(ids, mask, seeds, SamplingParams(temperature=0), max_new_tokens=12)
+        for i in range(len(PROMPTS)):
+            row = free.responses[i][free.response_mask[i].bool()].tolist()
+            ends = [k for k, t in enumerate(row) if t in (stop_id, tok.eos_token_id)]
+            n = ends[0] + 1 if ends else len(row)   # the stop token is part of the response
+            assert int(out.response_mask[i].sum()) == n, (gen.fast is not None, i)
+            assert out.responses[i, :n].tolist() == row[:n]
+        held = gen.generate(ids, mask, seeds, SamplingParams(temperature=0), max_new_tokens=12,
+                            min_new_tokens=12)
+        assert int(held.response_mask.sum()) == 12 * len(PROMPTS)
+        assert not torch.isin(held.responses, torch.tensor([stop_id])).any()

@@ -75,6 +75,9 @@ class RolloutConfig:
     top_p: float = 1.0              # 1 disables
     max_new_tokens: int = 6
     min_new_tokens: int = 0         # EOS is masked out until this many tokens are generated
+    # Token ids that end a response besides the tokenizer's EOS (e.g. an end-of-turn token);
+    # they are masked out until min_new_tokens, like EOS.
+    stop_token_ids: list[int] = field(default_factory=list)
     # Validation: samples per prompt (n > 1 adds pass@n and maj@n) and their temperature.
     val_n: int = 1
     val_temperature: float = 0.0
@@ -82,6 +85,7 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         _check(self.n > 0, "n must be > 0")
         _check(self.val_n > 0, "val_n must be > 0")
+        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids >= 0")
         _check(self.val_temperature >= 0, "val_temperature must be >= 0")
         _check(self.temperature >= 0, "temperature must be >= 0")
         _check(self.top_k >= 0, "top_k must be >= 0 (0 disables it)")

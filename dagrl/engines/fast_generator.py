@@ -21,6 +21,7 @@ Only exactly supported configurations take this path (`fast_path_unsupported` sa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -183,14 +184,16 @@ class FastDecoder:
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  sample_seed: torch.Tensor, params: SamplingParams, *, max_new_tokens: int,
-                 min_new_tokens: int, eos_token_id: int, pad_token_id: int,
+                 min_new_tokens: int, stop_token_ids: Sequence[int], pad_token_id: int,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Sample one response per row, as `Generator.generate` specifies.
 
-        prompt_ids/prompt_mask: [B, P] left-padded; sample_seed: [B].
+        prompt_ids/prompt_mask: [B, P] left-padded; sample_seed: [B]; a sequence ends at the
+        first of `stop_token_ids` it emits (EOS and any other stop tokens).
         Returns (responses [B, R] int64, response_mask [B, R] float32, logprobs [B, R] float32).
         """
         device = prompt_ids.device
+        stop = torch.as_tensor(list(stop_token_ids), dtype=torch.long, device=device)
         batch, R = prompt_ids.shape[0], max_new_tokens
         responses = torch.full((batch, R), pad_token_id, dtype=torch.long, device=device)
         response_mask = torch.zeros(batch, R, device=device)
@@ -234,7 +237,7 @@ class FastDecoder:
             allowed = logits
             if t < min_new_tokens:
                 allowed = logits.clone()
-                allowed[:, eos_token_id] = float("-inf")
+                allowed[:, stop] = float("-inf")
             token = sample_next_token(allowed, params, seeds, t)            # [A]
             # The log-prob under the model's own distribution (not the EOS-masked one): the
             # quantity the actor recomputes.
@@ -243,7 +246,7 @@ class FastDecoder:
             response_mask[rows, t] = 1.0
             if t == R - 1:
                 break
-            done = token == eos_token_id
+            done = torch.isin(token, stop)
             if bool(done.any()):
                 keep = ~done
                 rows, token, seeds, pos = rows[keep], token[keep], seeds[keep], pos[keep]

@@ -18,7 +18,7 @@ quantity the actor recomputes in training, before any top-k/top-p truncation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel
@@ -48,10 +48,13 @@ class Generator:
     """
 
     def __init__(self, model: PreTrainedModel, *, eos_token_id: int, pad_token_id: int,
-                 fast: bool = True) -> None:
+                 stop_token_ids: Sequence[int] = (), fast: bool = True) -> None:
         self.model = model.eval().requires_grad_(False)
         self.eos_token_id = eos_token_id
         self.pad_token_id = pad_token_id
+        # A response ends at EOS or at any of these (rollout.stop_token_ids); the stop token is
+        # part of the response, as EOS is.
+        self.stop_token_ids = list(dict.fromkeys([eos_token_id, *stop_token_ids]))
         self.weights_version = 0
         # The fast decoder reads the model's own weight tensors on every call, so in-place
         # `load_weights` updates reach it with nothing to resynchronise.
@@ -80,7 +83,7 @@ class Generator:
         if self.fast is not None:
             responses, mask, logprobs = self.fast.generate(
                 prompt_ids, prompt_mask, sample_seed, params, max_new_tokens=max_new_tokens,
-                min_new_tokens=min_new_tokens, eos_token_id=self.eos_token_id,
+                min_new_tokens=min_new_tokens, stop_token_ids=self.stop_token_ids,
                 pad_token_id=self.pad_token_id)
             return GenerationOutput(responses=responses, response_mask=mask, logprobs=logprobs)
         device = prompt_ids.device
@@ -98,13 +101,14 @@ class Generator:
         logprobs = torch.zeros(batch, max_new_tokens, device=device)
         mask = torch.zeros(batch, max_new_tokens, device=device)
         alive = torch.ones(batch, dtype=torch.bool, device=device)
+        stop = torch.tensor(self.stop_token_ids, dtype=torch.long, device=device)
         temperature = params.temperature if params.temperature > 0 else 1.0
 
         for t in range(max_new_tokens):
             allowed = logits
             if t < min_new_tokens:
                 allowed = logits.clone()
-                allowed[:, self.eos_token_id] = float("-inf")
+                allowed[:, stop] = float("-inf")
             token = sample_next_token(allowed, params, sample_seed, t)
             # The log-prob of the model's own distribution (not the EOS-masked one): it is the
             # quantity the actor recomputes, so the two agree.
@@ -113,7 +117,7 @@ class Generator:
             responses[:, t] = token
             logprobs[:, t] = torch.where(alive, logp, torch.zeros_like(logp))
             mask[:, t] = alive.float()
-            alive = alive & (token != self.eos_token_id)
+            alive = alive & ~torch.isin(token, stop)
             if not alive.any() or t == max_new_tokens - 1:
                 break
             attention = torch.cat([attention, torch.ones(batch, 1, dtype=attention.dtype,

@@ -78,7 +78,8 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
         # Starts from the same checkpoint as the actor: nothing to sync before the first update.
         engines.generator = Generator(load_model(m.path, m.gguf_file, m.dtype, device),
                                       eos_token_id=tokenizer.eos_token_id,
-                                      pad_token_id=tokenizer.pad_token_id)
+                                      pad_token_id=tokenizer.pad_token_id,
+                                      stop_token_ids=cfg.rollout.stop_token_ids)
     if "ref" in needed:
         ref = load_model(m.path, m.gguf_file, m.dtype, device).eval().requires_grad_(False)
         engines.ref_model = shard_model(ref, world_size, device.type)

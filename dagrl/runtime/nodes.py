@@ -75,8 +75,8 @@ def rollout(ctx: NodeContext, batch: Batch) -> Batch:
     batch["rollout_logprobs"] = out.logprobs
     lengths = out.response_mask.sum(-1)
     ctx.metrics.add_distribution("response/length", lengths)
-    eos = ctx.engines.tokenizer.eos_token_id
-    ended = (out.responses == eos).any(-1).float()
+    stop = torch.tensor(ctx.engines.generator.stop_token_ids, device=out.responses.device)
+    ended = torch.isin(out.responses * out.response_mask.long(), stop).any(-1).float()
     ctx.metrics.add_mean("response/clip_ratio", float((1 - ended).sum()), len(batch))
     ctx.metrics.add_mean("prompt/length_mean", float(batch["prompt_mask"].sum()), len(batch))
     ctx.metrics.add_sum("tokens/total", float(lengths.sum() + batch["prompt_mask"].sum()))
