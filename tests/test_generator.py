@@ -94,3 +94,21 @@ def test_gumbel_sampling_matches_softmax_distribution():
     tokens = sample_next_token(logits, SamplingParams(), torch.arange(20000), position=3)
     freq = torch.bincount(tokens, minlength=4).float() / 20000
     torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.015, rtol=0)
+
+
+def test_uniform_noise_is_the_documented_hash():
+    """u[b, v] = (h(row_b ^ h(v * 0x9E3779B1)) >> 8 + 0.5) / 2^24 with row_b = h(seed_b ^ h(t + 1)),
+    recomputed here with Python integers: the noise (and so every sample) must never drift."""
+    import numpy as np
+
+    from dagrl.engines.sampling import _M32, _hash32, mix_seed, uniform_noise
+
+    seeds = mix_seed(7, torch.arange(5))
+    for position in (0, 3, 250):
+        u = uniform_noise(seeds, position, 40)
+        for b in range(5):
+            row = _hash32((int(seeds[b]) & _M32) ^ _hash32(position + 1))
+            for v in (0, 1, 39):
+                h = _hash32((row ^ _hash32(v * 0x9E3779B1 & _M32)) & _M32)
+                f32 = np.float32   # the same float32 roundings as the tensor code
+                assert float(u[b, v]) == float((f32(h >> 8) + f32(0.5)) / f32(1 << 24))

@@ -13,6 +13,7 @@ u_v ~ U(0,1) i.i.d., is a draw from softmax(z / T). Top-k / top-p set the exclud
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,11 +44,17 @@ def uniform_noise(sample_seed: torch.Tensor, position: int, vocab_size: int) -> 
 
     24 random bits per entry: the smallest probability the sampler can resolve is ~6e-8.
     """
-    device = sample_seed.device
-    row = _hash32((sample_seed & _M32) ^ (_hash32(torch.tensor(position, device=device) + 1)))
-    vocab = torch.arange(vocab_size, device=device, dtype=torch.int64)
-    h = _hash32((row[:, None] ^ _hash32(vocab * 0x9E3779B1 & _M32)[None, :]) & _M32)  # [B, V]
+    # The position's hash is a Python int and the vocabulary's hash is cached: per decode step
+    # only the [B] row hash and the [B, V] mix run as tensor ops (this runs once per token).
+    row = _hash32((sample_seed & _M32) ^ _hash32(position + 1))              # [B]
+    h = _hash32((row[:, None] ^ _vocab_hash(vocab_size, sample_seed.device)[None, :]) & _M32)
     return ((h >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+
+
+@functools.lru_cache(maxsize=8)
+def _vocab_hash(vocab_size: int, device: torch.device) -> torch.Tensor:
+    vocab = torch.arange(vocab_size, device=device, dtype=torch.int64)
+    return _hash32(vocab * 0x9E3779B1 & _M32)                                # [V]
 
 
 @dataclass(frozen=True)
