@@ -229,26 +229,29 @@ class FastDecoder:
         logits = F.linear(F.rms_norm(x[:, -1], (x.shape[-1],), final_norm, self.eps),
                           lm_head).float()                                  # [B, V]
 
-        # The active batch: rows still decoding, as indices into the output rows.
-        rows = torch.arange(batch, device=device)
+        # The active batch: rows still decoding, as indices into the output rows (`None` while
+        # it is every row: plain column writes then, not scatters).
+        rows = None
         seeds, pos = sample_seed, positions[:, -1] + 1                  # [A], next position [A]
         temperature = params.temperature if params.temperature > 0 else 1.0
         for t in range(R):
-            allowed = logits
-            if t < min_new_tokens:
-                allowed = logits.clone()
-                allowed[:, stop] = float("-inf")
+            may_stop = t >= min_new_tokens
+            allowed = logits if may_stop else logits.index_fill(1, stop, float("-inf"))
             token = sample_next_token(allowed, params, seeds, t)            # [A]
             # The log-prob under the model's own distribution (not the EOS-masked one): the
             # quantity the actor recomputes.
-            responses[rows, t] = token
-            logprobs[rows, t] = logprobs_from_logits(logits / temperature, token)
-            response_mask[rows, t] = 1.0
+            logp = logprobs_from_logits(logits if temperature == 1.0 else logits / temperature,
+                                        token)
+            at = slice(None) if rows is None else rows
+            responses[at, t] = token
+            logprobs[at, t] = logp
+            response_mask[at, t] = 1.0
             if t == R - 1:
                 break
-            done = torch.isin(token, stop)
-            if bool(done.any()):
+            done = torch.isin(token, stop) if may_stop else None
+            if done is not None and bool(done.any()):
                 keep = ~done
+                rows = torch.arange(batch, device=device) if rows is None else rows
                 rows, token, seeds, pos = rows[keep], token[keep], seeds[keep], pos[keep]
                 if rows.numel() == 0:
                     break

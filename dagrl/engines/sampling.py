@@ -92,7 +92,10 @@ def sample_next_token(logits: torch.Tensor, params: SamplingParams, sample_seed:
     """Draw one token per row from logits [B, V] (already masked for min-length etc.) -> [B]."""
     if params.greedy:
         return logits.argmax(-1)
-    scaled = filter_logits(logits.float() / params.temperature, params.top_k, params.top_p)
+    scaled = logits.float()
+    if params.temperature != 1.0:
+        scaled = scaled / params.temperature
+    scaled = filter_logits(scaled, params.top_k, params.top_p)
     u = uniform_noise(sample_seed, position, logits.shape[-1])
     gumbel = -torch.log(-torch.log(u))
     return (scaled + gumbel).argmax(-1)
