@@ -60,6 +60,18 @@ def test_skipping_the_on_policy_old_logprob_pass_changes_nothing(tmp_path):
             assert ms[key] == pytest.approx(mk[key], rel=1e-4, abs=1e-7), key
 
 
+def test_compiled_layers_train_like_eager_ones(tmp_path):
+    # A KL term, so the reference model's compiled layers run too.
+    compiled, _ = run(tmp_path, "trainer.total_steps=2", "actor.compile=true",
+                            "algorithm.kl_loss_coef=0.001", name="compiled")
+    reference, _ = run(tmp_path, "trainer.total_steps=2", "algorithm.kl_loss_coef=0.001",
+                       name="reference")
+    for mc, me in zip(compiled, reference):
+        assert mc["reward/mean"] == me["reward/mean"]
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl"):
+            assert mc[key] == pytest.approx(me[key], rel=1e-4, abs=1e-6), key
+
+
 def test_missing_old_logprobs_with_several_updates_is_refused(tmp_path):
     graph = tmp_path / "no_old.yaml"
     graph.write_text("""

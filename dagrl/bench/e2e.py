@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -92,7 +93,8 @@ def write_workload(root: Path) -> tuple[Path, Path]:
 
 # --- our side ----------------------------------------------------------------------------------
 
-def run_ours(model: Path, data: Path, work: Workload, run_dir: Path) -> dict:
+def run_ours(model: Path, data: Path, work: Workload, run_dir: Path,
+             compile_layers: bool = False) -> dict:
     """Our GRPO loop in this process; each step timed by wall clock around the worker's step
     and its logging (what `dagrl train` does between two steps)."""
     from dagrl.config.presets import load_run_config
@@ -107,9 +109,11 @@ def run_ours(model: Path, data: Path, work: Workload, run_dir: Path) -> dict:
         "algorithm.name=grpo", "algorithm.kl_loss_coef=0",
         f"trainer.total_steps={work.steps}", f"trainer.torch_threads={work.threads}",
         "trainer.device=cpu", f"trainer.run_dir={run_dir}",
-        "logging.backends=[jsonl]", "logging.progress_bar=false"])
+        "logging.backends=[jsonl]", "logging.progress_bar=false",
+        f"actor.compile={str(compile_layers).lower()}"])
     from dagrl.observe.loggers import RunLogger
 
+    shutil.rmtree(run_dir, ignore_errors=True)   # a fresh metrics.jsonl, nothing to resume
     worker = Worker(prepare_run(cfg))
     worker.logger = RunLogger(cfg.logging, worker.run_dir, work.steps)
     seconds, cpu_seconds, lengths = [], [], []
@@ -230,6 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/bench-e2e"),
                         help="model, data and our run's metrics.jsonl go here")
     parser.add_argument("--json", type=Path, help="also write every figure to this file")
+    parser.add_argument("--compile", action="store_true",
+                        help="ours with actor.compile=true (compiled decoder layers; the "
+                             "first, excluded step compiles)")
     ns = parser.parse_args(argv)
     sides = set(ns.sides.split(","))
     if not sides or not sides <= {"ours", "trl"}:
@@ -246,7 +253,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # beside each figure says whether it was measured on a quiet machine.
     if "ours" in sides:
         load = os.getloadavg()[0]
-        results["ours"] = {**run_ours(model, data, work, ns.out / "ours-run"), "load_before": load,
+        results["ours"] = {**run_ours(model, data, work, ns.out / "ours-run", ns.compile),
+                           "compile": ns.compile, "load_before": load,
                            "load_after": os.getloadavg()[0]}
     if "trl" in sides:
         load = os.getloadavg()[0]

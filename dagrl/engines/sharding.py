@@ -1,4 +1,5 @@
-"""FSDP2 sharding of a HF causal LM over the data-parallel ranks.
+"""FSDP2 sharding of a HF causal LM over the data-parallel ranks (and the optional per-layer
+torch.compile applied before it).
 
 Each decoder layer is its own FSDP unit (its parameters are all-gathered just before it runs
 and freed after), and the root module holds the rest (embeddings, final norm, LM head; tied
@@ -19,6 +20,15 @@ def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     if not layers:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__} to shard")
     return layers
+
+
+def compile_layers(model: torch.nn.Module) -> torch.nn.Module:
+    """torch.compile each decoder layer in place (torchtitan's per-block compile): the layers
+    share one compiled graph, FSDP2's hooks stay outside it, and the model's own forward
+    (masks, embeddings, loss) stays eager."""
+    for layer in decoder_layers(model):
+        layer.compile()
+    return model
 
 
 def shard_model(model: torch.nn.Module, world_size: int, device_type: str) -> torch.nn.Module:

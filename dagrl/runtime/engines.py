@@ -22,7 +22,7 @@ from dagrl.engines.actor import ActorEngine
 from dagrl.engines.critic import CriticEngine, load_value_model
 from dagrl.engines.generator import Generator
 from dagrl.engines.models import load_model, load_tokenizer
-from dagrl.engines.sharding import shard_model
+from dagrl.engines.sharding import compile_layers, shard_model
 from dagrl.rewards.manager import RewardManager
 
 
@@ -61,8 +61,10 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
     tokenizer = load_tokenizer(m.path, m.gguf_file)
     engines = Engines(tokenizer=tokenizer, log=log)
     if "actor" in needed:
-        actor_model = shard_model(load_model(m.path, m.gguf_file, m.dtype, device), world_size,
-                                  device.type)
+        actor_model = load_model(m.path, m.gguf_file, m.dtype, device)
+        if cfg.actor.compile:
+            compile_layers(actor_model)
+        actor_model = shard_model(actor_model, world_size, device.type)
         engines.actor = ActorEngine(actor_model, cfg.actor, cfg.algorithm,
                                     temperature=cfg.rollout.temperature,
                                     samples_per_prompt=cfg.rollout.n,
@@ -82,6 +84,8 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
                                       stop_token_ids=cfg.rollout.stop_token_ids)
     if "ref" in needed:
         ref = load_model(m.path, m.gguf_file, m.dtype, device).eval().requires_grad_(False)
+        if cfg.actor.compile:
+            compile_layers(ref)
         engines.ref_model = shard_model(ref, world_size, device.type)
     if "reward" in needed:
         r = cfg.reward
