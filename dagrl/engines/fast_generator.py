@@ -181,12 +181,28 @@ class FastDecoder:
             x = x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
         return x
 
-    @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  sample_seed: torch.Tensor, params: SamplingParams, *, max_new_tokens: int,
                  min_new_tokens: int, stop_token_ids: Sequence[int], pad_token_id: int,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sample one response per row, as `Generator.generate` specifies.
+        """Sample one response per row, as `Generator.generate` specifies (see `_generate`).
+
+        Decoding runs under `torch.inference_mode`, which skips autograd's per-op bookkeeping
+        (version counters, view tracking): 16% of a tiny-model decode. Its tensors may not
+        enter autograd later (the response mask multiplies the loss), so the three [B, R]
+        results are handed back as ordinary copies.
+        """
+        with torch.inference_mode():
+            out = self._generate(prompt_ids, prompt_mask, sample_seed, params,
+                                 max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                                 stop_token_ids=stop_token_ids, pad_token_id=pad_token_id)
+        return tuple(t.clone() for t in out)
+
+    def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                  sample_seed: torch.Tensor, params: SamplingParams, *, max_new_tokens: int,
+                  min_new_tokens: int, stop_token_ids: Sequence[int], pad_token_id: int,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Sample one response per row.
 
         prompt_ids/prompt_mask: [B, P] left-padded; sample_seed: [B]; a sequence ends at the
         first of `stop_token_ids` it emits (EOS and any other stop tokens).
