@@ -112,3 +112,13 @@ def test_uniform_noise_is_the_documented_hash():
                 h = _hash32((row ^ _hash32(v * 0x9E3779B1 & _M32)) & _M32)
                 f32 = np.float32   # the same float32 roundings as the tensor code
                 assert float(u[b, v]) == float((f32(h >> 8) + f32(0.5)) / f32(1 << 24))
+
+
+def test_gumbel_block_equals_the_noise_position_by_position():
+    from dagrl.engines.sampling import gumbel_block, mix_seed, uniform_noise
+
+    seeds = mix_seed(11, torch.arange(6))
+    block = gumbel_block(seeds, 5, 4, 33)                       # positions 5..8
+    assert block.shape == (6, 4, 33)
+    for i in range(4):
+        assert torch.equal(block[:, i], -torch.log(-torch.log(uniform_noise(seeds, 5 + i, 33))))

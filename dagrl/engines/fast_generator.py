@@ -28,7 +28,10 @@ import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from dagrl.algorithms.utils import logprobs_from_logits
-from dagrl.engines.sampling import SamplingParams, sample_next_token
+from dagrl.engines.sampling import SamplingParams, gumbel_block, sample_next_token
+
+# Sampling noise drawn at once: [rows, positions, vocab] float32 elements (16 MiB).
+NOISE_BLOCK_ELEMENTS = 2**22
 
 SUPPORTED_CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
@@ -250,10 +253,18 @@ class FastDecoder:
         rows = None
         seeds, pos = sample_seed, positions[:, -1] + 1                  # [A], next position [A]
         temperature = params.temperature if params.temperature > 0 else 1.0
+        # Sampling noise for a block of positions at a time, for every row (bounded memory).
+        block = max(1, min(R, NOISE_BLOCK_ELEMENTS // max(1, batch * lm_head.shape[0])))
+        noise = None
         for t in range(R):
             may_stop = t >= min_new_tokens
             allowed = logits if may_stop else logits.index_fill(1, stop, float("-inf"))
-            token = sample_next_token(allowed, params, seeds, t)            # [A]
+            gumbel = None
+            if not params.greedy:
+                if t % block == 0:
+                    noise = gumbel_block(sample_seed, t, min(block, R - t), lm_head.shape[0])
+                gumbel = noise[:, t % block] if rows is None else noise[rows, t % block]
+            token = sample_next_token(allowed, params, seeds, t, gumbel)   # [A]
             # The log-prob under the model's own distribution (not the EOS-masked one): the
             # quantity the actor recomputes.
             logp = logprobs_from_logits(logits if temperature == 1.0 else logits / temperature,

@@ -87,15 +87,31 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def gumbel_block(sample_seed: torch.Tensor, start: int, count: int,
+                 vocab_size: int) -> torch.Tensor:
+    """g[b, i, v] = -log(-log u[b, v]) at decode position start + i: [B] -> [B, count, V].
+
+    The same values as `uniform_noise` position by position, computed for several positions
+    in one pass: a decoder draws its noise once per block instead of ~25 small ops per token.
+    """
+    device = sample_seed.device
+    positions = torch.arange(start, start + count, device=device, dtype=torch.int64)
+    row = _hash32((sample_seed[:, None] & _M32) ^ _hash32(positions + 1)[None, :])   # [B, C]
+    h = _hash32((row[:, :, None] ^ _vocab_hash(vocab_size, device)[None, None, :]) & _M32)
+    u = ((h >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+    return -torch.log(-torch.log(u))
+
+
 def sample_next_token(logits: torch.Tensor, params: SamplingParams, sample_seed: torch.Tensor,
-                      position: int) -> torch.Tensor:
-    """Draw one token per row from logits [B, V] (already masked for min-length etc.) -> [B]."""
+                      position: int, gumbel: torch.Tensor | None = None) -> torch.Tensor:
+    """Draw one token per row from logits [B, V] (already masked for min-length etc.) -> [B].
+    `gumbel` [B, V]: this position's noise if already drawn (`gumbel_block`)."""
     if params.greedy:
         return logits.argmax(-1)
     scaled = logits.float()
     if params.temperature != 1.0:
         scaled = scaled / params.temperature
     scaled = filter_logits(scaled, params.top_k, params.top_p)
-    u = uniform_noise(sample_seed, position, logits.shape[-1])
-    gumbel = -torch.log(-torch.log(u))
+    if gumbel is None:
+        gumbel = -torch.log(-torch.log(uniform_noise(sample_seed, position, logits.shape[-1])))
     return (scaled + gumbel).argmax(-1)
