@@ -68,7 +68,7 @@ def test_logprobs_from_logits_matches_log_softmax():
     for b in range(2):
         for t in range(4):
             z = logits[b, t]
-            expected = z[labels[b, t]] - math.log(sum(math.exp(v) for v in z.tolist()))
+            expected = float(z[labels[b, t]]) - math.log(sum(math.exp(v) for v in z.tolist()))
             assert got[b, t].item() == pytest.approx(expected, abs=1e-5)
     with pytest.raises(ValueError, match="labels shape"):
         logprobs_from_logits(logits, labels[:, :3])
