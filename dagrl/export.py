@@ -19,8 +19,12 @@ from typing import Sequence
 
 import torch
 
-from dagrl.runtime.checkpoint import (STATE_FILE, CheckpointError, latest_checkpoint,
-                                      single_process_quiet)
+from dagrl.runtime.checkpoint import (
+    STATE_FILE,
+    CheckpointError,
+    latest_checkpoint,
+    single_process_quiet,
+)
 
 
 def find_checkpoint(path: Path) -> Path:
@@ -77,9 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="cast the weights (default: as trained, float32)")
     ns = parser.parse_args(argv)
     try:
-        path = export_checkpoint(ns.checkpoint, ns.out, ns.dtype)
+        checkpoint = find_checkpoint(ns.checkpoint)
+        path = export_checkpoint(checkpoint, ns.out, ns.dtype)
     except (CheckpointError, FileExistsError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"exported {find_checkpoint(ns.checkpoint)} -> {path}")
+    print(f"exported {checkpoint} -> {path}")
     return 0

@@ -11,7 +11,14 @@ from dagrl.config.schema import Config
 from dagrl.dag.builtin import BUILTIN_GRAPHS
 from dagrl.dag.planner import format_plan, make_plan
 from dagrl.dag.roles import ROLES, import_user_modules, load_builtin_roles
-from dagrl.dag.spec import GraphError, GraphSpec, NodeSpec, graph_from_dict, load_graph_yaml, validate_graph
+from dagrl.dag.spec import (
+    GraphError,
+    GraphSpec,
+    NodeSpec,
+    graph_from_dict,
+    load_graph_yaml,
+    validate_graph,
+)
 
 ROLES_ = load_builtin_roles()
 grpo_graph = BUILTIN_GRAPHS.get("grpo")

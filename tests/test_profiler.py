@@ -108,10 +108,10 @@ def test_profiler_config_errors_name_the_key(tmp_path):
                                    "trainer.total_steps=3"])
     with pytest.raises(ConfigError, match="profiler.ranks"):
         load_config(Config, None, ["profiler.enable=true", "profiler.ranks=[1]"])
+    import torch
+
     from dagrl.config.schema import ProfilerConfig
     from dagrl.observe.profiler import TaskProfiler
-
-    import torch
 
     with pytest.raises(ConfigError, match="profiler.roles.*actr"):
         TaskProfiler(ProfilerConfig(enable=True, roles=["actr"]), {"rollout", "actor_update"},

@@ -60,7 +60,7 @@ def test_torchrun_two_workers_match_one_worker_with_reward_on_one_rank(tmp_path,
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(free_port()), "-m", "dagrl.train", f"trainer.run_dir={run_dir}",
            "trainer.n_workers=2", "trainer.total_steps=3", f"dag.graph={graph}", *FAST]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ours = metrics(run_dir)
     assert_same_run(ours, one_worker_run)

@@ -86,13 +86,13 @@ def bench_model(name: str, model, batch: int, new_tokens: int, repeats: int, see
         sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if do_sample \
             else dict(do_sample=False)
 
-        def hf() -> torch.Tensor:
+        def hf(sampling: dict = sampling) -> torch.Tensor:
             out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
                                  min_new_tokens=new_tokens, eos_token_id=eos, pad_token_id=pad,
                                  **sampling)
             return out[:, ids.shape[1]:]
 
-        def ours() -> torch.Tensor:
+        def ours(params: SamplingParams = params) -> torch.Tensor:
             out = gen.generate(ids, mask, seeds, params, max_new_tokens=new_tokens,
                                min_new_tokens=new_tokens)
             assert int(out.response_mask.sum()) == batch * new_tokens

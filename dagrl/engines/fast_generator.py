@@ -251,7 +251,7 @@ class FastDecoder:
         # The active batch: rows still decoding, as indices into the output rows (`None` while
         # it is every row: plain column writes then, not scatters).
         rows = None
-        seeds, pos = sample_seed, positions[:, -1] + 1                  # [A], next position [A]
+        pos = positions[:, -1] + 1                                      # next position [A]
         temperature = params.temperature if params.temperature > 0 else 1.0
         # Sampling noise for a block of positions at a time, for every row (bounded memory).
         block = max(1, min(R, NOISE_BLOCK_ELEMENTS // max(1, batch * lm_head.shape[0])))
@@ -264,7 +264,8 @@ class FastDecoder:
                 if t % block == 0:
                     noise = gumbel_block(sample_seed, t, min(block, R - t), lm_head.shape[0])
                 gumbel = noise[:, t % block] if rows is None else noise[rows, t % block]
-            token = sample_next_token(allowed, params, seeds, t, gumbel)   # [A]
+            # The noise already carries each row's seed and position: `sample_seed` is unused here.
+            token = sample_next_token(allowed, params, sample_seed, t, gumbel)   # [A]
             # The log-prob under the model's own distribution (not the EOS-masked one): the
             # quantity the actor recomputes.
             logp = logprobs_from_logits(logits if temperature == 1.0 else logits / temperature,
@@ -279,7 +280,7 @@ class FastDecoder:
             if done is not None and bool(done.any()):
                 keep = ~done
                 rows = torch.arange(batch, device=device) if rows is None else rows
-                rows, token, seeds, pos = rows[keep], token[keep], seeds[keep], pos[keep]
+                rows, token, pos = rows[keep], token[keep], pos[keep]
                 if rows.numel() == 0:
                     break
                 k_cache, v_cache = k_cache[:, keep], v_cache[:, keep]

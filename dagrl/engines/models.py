@@ -14,10 +14,17 @@ import tempfile
 from pathlib import Path
 
 import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
 from transformers.utils import logging as hf_logging
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig,
-                          PreTrainedModel, PreTrainedTokenizerBase, PreTrainedTokenizerFast,
-                          Qwen2Config)
 
 logger = logging.getLogger(__name__)
 

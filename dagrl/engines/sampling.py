@@ -39,16 +39,29 @@ def mix_seed(*parts: int | torch.Tensor) -> torch.Tensor | int:
     return h
 
 
-def uniform_noise(sample_seed: torch.Tensor, position: int, vocab_size: int) -> torch.Tensor:
-    """u[b, v] in (0, 1) for sequence b at decode `position`: [B] -> [B, V] float32.
+def uniform_block(sample_seed: torch.Tensor, start: int, count: int,
+                  vocab_size: int) -> torch.Tensor:
+    """u[b, i, v] in (0, 1) for sequence b at decode position start + i: [B] -> [B, count, V].
 
     24 random bits per entry: the smallest probability the sampler can resolve is ~6e-8.
+    A decoder draws a block of positions in one pass instead of ~25 small ops per token.
     """
-    # The position's hash is a Python int and the vocabulary's hash is cached: per decode step
-    # only the [B] row hash and the [B, V] mix run as tensor ops (this runs once per token).
-    row = _hash32((sample_seed & _M32) ^ _hash32(position + 1))              # [B]
-    h = _hash32((row[:, None] ^ _vocab_hash(vocab_size, sample_seed.device)[None, :]) & _M32)
+    device = sample_seed.device
+    positions = torch.arange(start, start + count, device=device, dtype=torch.int64)
+    row = _hash32((sample_seed[:, None] & _M32) ^ _hash32(positions + 1)[None, :])   # [B, C]
+    h = _hash32((row[:, :, None] ^ _vocab_hash(vocab_size, device)[None, None, :]) & _M32)
     return ((h >> 8).to(torch.float32) + 0.5) / float(1 << 24)
+
+
+def uniform_noise(sample_seed: torch.Tensor, position: int, vocab_size: int) -> torch.Tensor:
+    """u[b, v] for sequence b at decode `position`: [B] -> [B, V] float32."""
+    return uniform_block(sample_seed, position, 1, vocab_size)[:, 0]
+
+
+def gumbel_block(sample_seed: torch.Tensor, start: int, count: int,
+                 vocab_size: int) -> torch.Tensor:
+    """Gumbel noise -log(-log u) of `uniform_block`: [B] -> [B, count, V]."""
+    return -torch.log(-torch.log(uniform_block(sample_seed, start, count, vocab_size)))
 
 
 @functools.lru_cache(maxsize=8)
@@ -87,21 +100,6 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
-def gumbel_block(sample_seed: torch.Tensor, start: int, count: int,
-                 vocab_size: int) -> torch.Tensor:
-    """g[b, i, v] = -log(-log u[b, v]) at decode position start + i: [B] -> [B, count, V].
-
-    The same values as `uniform_noise` position by position, computed for several positions
-    in one pass: a decoder draws its noise once per block instead of ~25 small ops per token.
-    """
-    device = sample_seed.device
-    positions = torch.arange(start, start + count, device=device, dtype=torch.int64)
-    row = _hash32((sample_seed[:, None] & _M32) ^ _hash32(positions + 1)[None, :])   # [B, C]
-    h = _hash32((row[:, :, None] ^ _vocab_hash(vocab_size, device)[None, None, :]) & _M32)
-    u = ((h >> 8).to(torch.float32) + 0.5) / float(1 << 24)
-    return -torch.log(-torch.log(u))
-
-
 def sample_next_token(logits: torch.Tensor, params: SamplingParams, sample_seed: torch.Tensor,
                       position: int, gumbel: torch.Tensor | None = None) -> torch.Tensor:
     """Draw one token per row from logits [B, V] (already masked for min-length etc.) -> [B].
@@ -113,5 +111,5 @@ def sample_next_token(logits: torch.Tensor, params: SamplingParams, sample_seed:
         scaled = scaled / params.temperature
     scaled = filter_logits(scaled, params.top_k, params.top_p)
     if gumbel is None:
-        gumbel = -torch.log(-torch.log(uniform_noise(sample_seed, position, logits.shape[-1])))
+        gumbel = gumbel_block(sample_seed, position, 1, logits.shape[-1])[:, 0]
     return (scaled + gumbel).argmax(-1)

@@ -49,7 +49,7 @@ def gather_full_weights(model: torch.nn.Module,
     collective over the model's data-parallel group: every rank must consume the iterator."""
     params = list(model.named_parameters())
     sharded = [(n, p) for n, p in params if _row_sharded(p)]
-    buckets = iter(list(_buckets(sharded, bucket_bytes)))
+    buckets = _buckets(sharded, bucket_bytes)
     pending: dict[str, torch.Tensor] = {}
     for name, p in params:
         if not hasattr(p, "to_local"):          # a plain tensor: already whole

@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from dagrl.config.schema import Config
 from dagrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
+from dagrl.config.schema import Config
 from dagrl.engines.actor import ActorEngine
 from dagrl.engines.critic import CriticEngine, load_value_model
 from dagrl.engines.generator import Generator

@@ -17,9 +17,8 @@ Fields each role adds to the batch (shapes for a shard of N samples, response wi
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import inspect
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -76,7 +75,7 @@ def rollout(ctx: NodeContext, batch: Batch) -> Batch:
     lengths = out.response_mask.sum(-1)
     ctx.metrics.add_distribution("response/length", lengths)
     stop = torch.tensor(ctx.engines.generator.stop_token_ids, device=out.responses.device)
-    ended = torch.isin(out.responses * out.response_mask.long(), stop).any(-1).float()
+    ended = (torch.isin(out.responses, stop) & out.response_mask.bool()).any(-1).float()
     ctx.metrics.add_mean("response/clip_ratio", float((1 - ended).sum()), len(batch))
     ctx.metrics.add_mean("prompt/length_mean", float(batch["prompt_mask"].sum()), len(batch))
     ctx.metrics.add_sum("tokens/total", float(lengths.sum() + batch["prompt_mask"].sum()))

@@ -69,21 +69,21 @@ def launch_ray(cfg: Config) -> list[dict[str, float]]:
             ray.init(num_cpus=max(t.n_workers, os.cpu_count() or 1), include_dashboard=False,
                      log_to_driver=True)
     try:
-        for attempt in range(t.max_restarts + 1):
+        restarts = 0
+        while True:
             try:
                 return _run_workers(cfg)
             except WorkerFailed as err:
-                if attempt == t.max_restarts:
+                if restarts == t.max_restarts:
                     raise
-                root = Path(t.checkpoint_dir or run_dir / "checkpoints")
-                last = latest_checkpoint(root)
-                print(f"[dagrl] {err}\n[dagrl] restart {attempt + 1}/{t.max_restarts}: "
+                restarts += 1
+                last = latest_checkpoint(Path(t.checkpoint_dir or run_dir / "checkpoints"))
+                print(f"[dagrl] {err}\n[dagrl] restart {restarts}/{t.max_restarts}: "
                       f"starting all {t.n_workers} workers again from "
                       f"{last or 'the beginning (no checkpoint yet)'}", flush=True)
                 if t.resume != "auto":   # continue from what this run wrote, not the start
                     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(
                         cfg.trainer, resume="auto"))
-        raise AssertionError("unreachable")
     finally:
         if started_here:
             # Let Ray's log monitor forward the workers' last lines before it stops.

@@ -20,7 +20,6 @@ prepares the run directory and tells the others the resolved config.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import time
 from pathlib import Path
@@ -35,7 +34,7 @@ from dagrl.dag.roles import import_user_modules, load_builtin_roles
 from dagrl.dag.spec import GraphSpec, load_graph_yaml, validate_graph
 from dagrl.data.buffer import balance, reshard
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
-from dagrl.observe.loggers import RunLogger
+from dagrl.observe.loggers import RunLogger, truncate_jsonl
 from dagrl.observe.metrics import StepMetrics
 from dagrl.observe.observer import StepObserver
 from dagrl.runtime.checkpoint import Checkpointer, Stateful, resolve_resume
@@ -240,20 +239,8 @@ class Worker:
         e.sync_rollout_weights()
         step = int(state["step"])
         if self.rank == 0:
-            truncate_metrics(self.run_dir / "metrics.jsonl", step)
+            truncate_jsonl(self.run_dir / "metrics.jsonl", step)
         self.log(f"resumed from {path} (step {step}, saved by {state['world_size']} worker(s), "
                  f"now {self.world_size})")
         return step
 
-
-def truncate_metrics(path: Path, last_step: int) -> None:
-    """Drop the records after `last_step` from a metrics.jsonl (steps re-run after a resume),
-    replacing the file atomically."""
-    if not path.is_file():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= last_step]
-    if len(kept) != len(lines):
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        os.replace(tmp, path)
