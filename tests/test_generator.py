@@ -7,7 +7,7 @@ import torch
 from dagrl.data.dataset import encode_prompt
 from dagrl.engines.forward import response_logprobs
 from dagrl.engines.generator import Generator
-from dagrl.engines.sampling import SamplingParams, filter_logits, mix_seed, uniform_noise
+from dagrl.engines.sampling import SamplingParams, filter_logits, mix_seed, uniform_draws
 
 
 def left_padded(tokenizer, texts, width=12):
@@ -76,10 +76,14 @@ def test_min_new_tokens_and_eos_masking(tiny_model, tokenizer):
     assert not (out.responses == tokenizer.eos_token_id).any()
 
 
-def test_noise_is_uniform_and_filters_work():
-    u = uniform_noise(torch.arange(64), position=0, vocab_size=1000)
-    assert 0 < float(u.min()) and float(u.max()) < 1
+def test_draws_are_uniform_and_filters_work():
+    u = uniform_draws(torch.arange(20000), start=0, count=3)
+    assert u.dtype == torch.float64 and u.shape == (20000, 3)
+    assert 0 <= float(u.min()) and float(u.max()) < 1
     assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005
+    # neighbouring positions and seeds are uncorrelated
+    assert abs(float(torch.corrcoef(torch.stack([u[:, 0], u[:, 1]]))[0, 1])) < 0.03
+    assert abs(float(torch.corrcoef(torch.stack([u[:-1, 0], u[1:, 0]]))[0, 1])) < 0.03
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
     assert torch.isinf(filter_logits(logits, top_k=2, top_p=1.0)).tolist() == [[False, False, True, True]]
     # softmax of [3,2,1,0] = [.644, .237, .087, .032]: the 0.8 nucleus keeps the first two
@@ -87,38 +91,46 @@ def test_noise_is_uniform_and_filters_work():
     assert torch.isinf(filter_logits(logits, top_k=0, top_p=0.5)).tolist() == [[False, True, True, True]]
 
 
-def test_gumbel_sampling_matches_softmax_distribution():
+def test_sampling_matches_softmax_distribution():
     from dagrl.engines.sampling import sample_next_token
 
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05])).repeat(20000, 1)
-    tokens = sample_next_token(logits, SamplingParams(), torch.arange(20000), position=3)
-    freq = torch.bincount(tokens, minlength=4).float() / 20000
-    torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.015, rtol=0)
+    probs = torch.tensor([0.5, 0.3, 0.0, 0.15, 0.05])     # a zero-probability token in between
+    logits = torch.log(probs).repeat(40000, 1)
+    tokens = sample_next_token(logits, SamplingParams(), torch.arange(40000), position=3)
+    freq = torch.bincount(tokens, minlength=5).float() / 40000
+    assert freq[2] == 0
+    torch.testing.assert_close(freq, probs, atol=0.01, rtol=0)
+    # with temperature 2 the distribution is softmax(z / 2) and top-k 2 keeps the two largest
+    tokens = sample_next_token(logits, SamplingParams(temperature=2.0, top_k=2),
+                               torch.arange(40000), position=3)
+    expected = torch.tensor([0.5, 0.3]).sqrt() / torch.tensor([0.5, 0.3]).sqrt().sum()
+    freq = torch.bincount(tokens, minlength=5).float() / 40000
+    torch.testing.assert_close(freq[:2], expected, atol=0.01, rtol=0)
+    assert freq[2:].sum() == 0
 
 
-def test_uniform_noise_is_the_documented_hash():
-    """u[b, v] = (h(row_b ^ h(v * 0x9E3779B1)) >> 8 + 0.5) / 2^24 with row_b = h(seed_b ^ h(t + 1)),
-    recomputed here with Python integers: the noise (and so every sample) must never drift."""
-    import numpy as np
-
-    from dagrl.engines.sampling import _M32, _hash32, mix_seed, uniform_noise
+def test_draws_are_the_documented_hash():
+    """u = (hi >> 5) 2^-27 + (lo >> 6) 2^-53 with hi = h(seed ^ h(t + 1)), lo = h(hi ^ 0x5bd1e995),
+    recomputed here with Python integers: the draws (and so every sample) must never drift."""
+    from dagrl.engines.sampling import _M32, _hash32
 
     seeds = mix_seed(7, torch.arange(5))
-    for position in (0, 3, 250):
-        u = uniform_noise(seeds, position, 40)
-        for b in range(5):
-            row = _hash32((int(seeds[b]) & _M32) ^ _hash32(position + 1))
-            for v in (0, 1, 39):
-                h = _hash32((row ^ _hash32(v * 0x9E3779B1 & _M32)) & _M32)
-                f32 = np.float32   # the same float32 roundings as the tensor code
-                assert float(u[b, v]) == float((f32(h >> 8) + f32(0.5)) / f32(1 << 24))
+    u = uniform_draws(seeds, 248, 4)                          # positions 248..251
+    for b in range(5):
+        for i, position in enumerate(range(248, 252)):
+            hi = _hash32((int(seeds[b]) & _M32) ^ _hash32(position + 1))
+            lo = _hash32(hi ^ 0x5BD1E995)
+            assert float(u[b, i]) == ((hi >> 5) * 2**26 + (lo >> 6)) / 2**53
+    assert torch.equal(u[:, 2:], uniform_draws(seeds, 250, 2))   # a block equals its positions
 
 
-def test_gumbel_block_equals_the_noise_position_by_position():
-    from dagrl.engines.sampling import gumbel_block, mix_seed, uniform_noise
+def test_inverse_cdf_picks_the_documented_token():
+    """The token is the first v whose running probability exceeds u (times the total)."""
+    from dagrl.engines.sampling import sample_next_token
 
-    seeds = mix_seed(11, torch.arange(6))
-    block = gumbel_block(seeds, 5, 4, 33)                       # positions 5..8
-    assert block.shape == (6, 4, 33)
-    for i in range(4):
-        assert torch.equal(block[:, i], -torch.log(-torch.log(uniform_noise(seeds, 5 + i, 33))))
+    logits = torch.log(torch.tensor([[0.25, 0.25, 0.5]] * 4))
+    seeds = torch.arange(4)
+    tokens = sample_next_token(logits, SamplingParams(), seeds, position=0)
+    u = uniform_draws(seeds, 0, 1)[:, 0]
+    expected = (u >= 0.25).long() + (u >= 0.5).long()
+    assert tokens.tolist() == expected.tolist()
