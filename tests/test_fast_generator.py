@@ -45,7 +45,17 @@ def seeds_for(n: int, salt: int = 0) -> torch.Tensor:
     return mix_seed(salt, 1, torch.arange(n), torch.zeros(n, dtype=torch.long))
 
 
-def test_greedy_identical_to_transformers_generate(setup):
+@pytest.mark.parametrize("rows_limit,scores_limit", [(None, None), (0, None), (10**9, 0)],
+                         ids=["default", "token-major", "feature-major-sdpa"])
+def test_greedy_identical_to_transformers_generate(setup, monkeypatch, rows_limit, scores_limit):
+    """Every layout (feature-major few-row steps, token-major many-row steps) and both prefill
+    attentions (matmul-softmax, SDPA) reproduce generate's tokens."""
+    from dagrl.engines import fast_generator
+
+    if rows_limit is not None:
+        monkeypatch.setattr(fast_generator, "WEIGHT_MAJOR_MAX_ROWS", rows_limit)
+    if scores_limit is not None:
+        monkeypatch.setattr(fast_generator, "MATH_ATTENTION_MAX_SCORES", scores_limit)
     model, tok, ids, mask = setup
     fast, _ = generators(model, tok)
     ours = fast.generate(ids, mask, seeds_for(len(PROMPTS)), SamplingParams(temperature=0),
@@ -140,6 +150,25 @@ def test_weight_updates_reach_the_fast_path(setup):
                         max_new_tokens=8)
     assert not torch.equal(before.responses, after.responses)
     assert torch.equal(after.responses, ref.responses)
+
+
+def test_fused_projections_share_the_modules_storage(setup):
+    """q/k/v (and gate/up) are fused once into tensors the module parameters are views of: no
+    second copy of the weights; a replaced parameter object is fused again."""
+    model, tok, ids, mask = setup
+    fast, slow = generators(model, tok)
+    fast.generate(ids, mask, seeds_for(len(PROMPTS)), SamplingParams(temperature=0),
+                  max_new_tokens=4)
+    attn = model.model.layers[0].self_attn
+    qkv, _ = fast.fast._fused[0, "qkv"]
+    assert attn.k_proj.weight.data_ptr() == qkv[attn.q_proj.out_features:].data_ptr()
+    with torch.no_grad():
+        attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight + 0.5)
+    greedy = SamplingParams(temperature=0)
+    ours = fast.generate(ids, mask, seeds_for(len(PROMPTS)), greedy, max_new_tokens=8)
+    ref = slow.generate(ids, mask, seeds_for(len(PROMPTS)), greedy, max_new_tokens=8)
+    assert torch.equal(ours.responses, ref.responses)
+    assert fast.fast._fused[0, "qkv"][0].data_ptr() != qkv.data_ptr()
 
 
 def _random_model(config):

@@ -99,7 +99,7 @@ def sample_next_token(logits: torch.Tensor, params: SamplingParams, sample_seed:
     scaled = filter_logits(scaled, params.top_k, params.top_p)
     if u is None:
         u = uniform_draws(sample_seed, position, 1)[:, 0]
-    cdf = scaled.double().softmax(-1).cumsum(-1)                        # [B, V]
+    cdf = scaled.softmax(-1, dtype=torch.float64).cumsum(-1)            # [B, V]
     target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]                    # [B, 1]
     token = torch.searchsorted(cdf, target, right=True)[:, 0]
     return token.clamp_(max=logits.shape[-1] - 1)
