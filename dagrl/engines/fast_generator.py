@@ -105,12 +105,12 @@ def _fuse(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tenso
 
 @dataclass
 class _LayerWeights:
-    in_norm: torch.Tensor             # [H]
+    in_norm: torch.Tensor             # [H]  sqrt(H) times the norm weight (see `_rms_norm`)
     qkv: torch.Tensor                 # [(nh + 2 nkv) * hd, H]  q, k, v projections stacked
     qkv_bias: torch.Tensor | None
     o: torch.Tensor                   # [H, nh * hd]
     o_bias: torch.Tensor | None
-    post_norm: torch.Tensor           # [H]
+    post_norm: torch.Tensor           # [H]  likewise
     gate_up: torch.Tensor             # [2 I, H]  gate, up stacked
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor                # [H, I]
@@ -134,10 +134,13 @@ def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -
     return out if bias is None else out + bias
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last axis, in HF's order (x * rsqrt(mean x^2 + eps), then times the
-    weight). Elementwise ops and a reduction, so the result keeps x's memory layout."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+def _rms_norm(x: torch.Tensor, root_h_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last axis, x * rsqrt(mean x^2 + eps) * w, written as
+    x * rsqrt(sum x^2 + H eps) * (sqrt(H) w) with `root_h_weight` = sqrt(H) w precomputed:
+    a sum is half the cost of a mean on these small tensors (4 of a decode step's ~19 us per
+    norm). The result keeps x's memory layout; it differs from HF's by float rounding only."""
+    hidden = x.shape[-1]
+    return x * (x * x).sum(-1, keepdim=True).add_(hidden * eps).rsqrt_() * root_h_weight
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -232,11 +235,13 @@ class FastDecoder:
         self._fused: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def _weights(self) -> tuple[list[_LayerWeights], torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(per-layer weights, embedding [V, H], final norm [H], lm_head [V, H]).
+        """(per-layer weights, embedding [V, H], final norm [H], lm_head [V, H]); norm weights
+        are scaled by sqrt(H) for `_rms_norm`.
 
         The fused q/k/v and gate/up tensors are the modules' own storage (see `_fuse`), made
         once; they are made again only if a parameter was replaced (not updated in place)."""
         m = self.model.model
+        root_h = m.embed_tokens.weight.shape[1] ** 0.5     # norms take sqrt(H) w (`_rms_norm`)
         layers = []
         for i, layer in enumerate(m.layers):
             attn, mlp = layer.self_attn, layer.mlp
@@ -248,12 +253,12 @@ class FastDecoder:
             qkv, qkv_bias = self._fused[i, "qkv"]
             gate_up, gate_up_bias = self._fused[i, "gate_up"]
             layers.append(_LayerWeights(
-                in_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=qkv_bias,
+                in_norm=layer.input_layernorm.weight * root_h, qkv=qkv, qkv_bias=qkv_bias,
                 o=attn.o_proj.weight, o_bias=attn.o_proj.bias,
-                post_norm=layer.post_attention_layernorm.weight,
+                post_norm=layer.post_attention_layernorm.weight * root_h,
                 gate_up=gate_up, gate_up_bias=gate_up_bias,
                 down=mlp.down_proj.weight, down_bias=mlp.down_proj.bias))
-        return layers, m.embed_tokens.weight, m.norm.weight, self.model.lm_head.weight
+        return layers, m.embed_tokens.weight, m.norm.weight * root_h, self.model.lm_head.weight
 
     def _rope_tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, signed sin [length, hd] for positions 0..length-1 (see `_rope`), computed as
