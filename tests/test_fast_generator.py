@@ -45,17 +45,18 @@ def seeds_for(n: int, salt: int = 0) -> torch.Tensor:
     return mix_seed(salt, 1, torch.arange(n), torch.zeros(n, dtype=torch.long))
 
 
-@pytest.mark.parametrize("rows_limit,scores_limit", [(None, None), (0, None), (10**9, 0)],
-                         ids=["default", "token-major", "feature-major-sdpa"])
-def test_greedy_identical_to_transformers_generate(setup, monkeypatch, rows_limit, scores_limit):
-    """Every layout (feature-major few-row steps, token-major many-row steps) and both prefill
-    attentions (matmul-softmax, SDPA) reproduce generate's tokens."""
+@pytest.mark.parametrize("limits", [{}, {"WEIGHT_MAJOR_MAX_ROWS": 0},
+                                    {"WEIGHT_MAJOR_MAX_ROWS": 10**9, "MATH_ATTENTION_MAX_SCORES": 0},
+                                    {"WEIGHT_MAJOR_CHUNK_ROWS": 24}],
+                         ids=["default", "token-major", "feature-major-sdpa", "chunked-weights"])
+def test_greedy_identical_to_transformers_generate(setup, monkeypatch, limits):
+    """Every layout (feature-major few-row steps, token-major many-row steps), both prefill
+    attentions (matmul-softmax, SDPA) and weights multiplied in row blocks reproduce
+    generate's tokens."""
     from dagrl.engines import fast_generator
 
-    if rows_limit is not None:
-        monkeypatch.setattr(fast_generator, "WEIGHT_MAJOR_MAX_ROWS", rows_limit)
-    if scores_limit is not None:
-        monkeypatch.setattr(fast_generator, "MATH_ATTENTION_MAX_SCORES", scores_limit)
+    for name, value in limits.items():
+        monkeypatch.setattr(fast_generator, name, value)
     model, tok, ids, mask = setup
     fast, _ = generators(model, tok)
     ours = fast.generate(ids, mask, seeds_for(len(PROMPTS)), SamplingParams(temperature=0),
