@@ -219,3 +219,14 @@ def test_stop_tokens_end_responses_on_both_paths(setup):
                             min_new_tokens=12)
         assert int(held.response_mask.sum()) == 12 * len(PROMPTS)
         assert not torch.isin(held.responses, torch.tensor([stop_id])).any()
+
+
+def test_right_padded_prompts_are_refused(setup):
+    """The packed prefill reads each row's last prompt token from the last column: a row that
+    ends in padding would silently decode from a pad token, so it is an error."""
+    model, tok, ids, mask = setup
+    fast, _ = generators(model, tok)
+    mask = mask.clone()
+    mask[2, -1] = 0
+    with pytest.raises(ValueError, match=r"prompt rows \[2\] do not end in a real token"):
+        fast.generate(ids, mask, seeds_for(len(PROMPTS)), SamplingParams(), max_new_tokens=4)
