@@ -310,7 +310,7 @@ class FastDecoder:
         k_cache/v_cache: [L, A, nkv, S, hd]. Returns the final hidden states [M, H] (before
         the last norm).
         """
-        tokens, hidden = x.shape
+        tokens = x.shape[0]
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         cos, sin = cos[:, None], sin[:, None]                          # [M, 1, hd]
         for i, w in enumerate(layers):
