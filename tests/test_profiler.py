@@ -155,9 +155,10 @@ def test_a_task_inside_a_recorded_task_is_a_nested_span(tmp_path):
 
     prof = TaskProfiler(ProfilerConfig(enable=True, steps=[1]), {"filter", "rollout"}, 0,
                         torch.device("cpu"), tmp_path)
-    with prof.task(1, Task("node", "filter", "filter")):        # DAPO's filter calls ctx.more()
-        with prof.task(1, Task("node", "rollout", "rollout")):
-            torch.ones(4) @ torch.ones(4)
+    # DAPO's filter calls ctx.more(): a rollout task runs inside the filter task.
+    with prof.task(1, Task("node", "filter", "filter")), \
+            prof.task(1, Task("node", "rollout", "rollout")):
+        torch.ones(4) @ torch.ones(4)
     prof.counter({"host_rss_mb": 1.0})
     path = prof.finish(1, None, distributed=False)
     spans = {e["name"]: e for e in json.loads(path.read_text())["traceEvents"]
