@@ -11,18 +11,21 @@ from dagrl.algorithms.loss_agg import agg_loss
 from dagrl.algorithms.value_loss import clipped_value_loss
 from dagrl.config.schema import ActorConfig, CriticConfig
 from dagrl.data.batch import Batch
+from dagrl.engines.attention import resolve_attn_implementation
 from dagrl.engines.forward import batch_values, response_values
 from dagrl.engines.models import DTYPES, _check_model_dir, _disable_dropout
 from dagrl.engines.train_engine import TrainEngine, token_mean
 from dagrl.observe.metrics import StepMetrics
 
 
-def load_value_model(path: str, dtype: str = "float32", device="cpu") -> torch.nn.Module:
+def load_value_model(path: str, dtype: str = "float32", device="cpu",
+                     attn_implementation: str = "auto") -> torch.nn.Module:
     """A causal-LM checkpoint as a value model: the same backbone with a new scalar head
     (`*ForTokenClassification` with one label: one value per position)."""
     _check_model_dir(path, "")
-    model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=DTYPES[dtype],
-                                                            local_files_only=True)
+    model = AutoModelForTokenClassification.from_pretrained(
+        path, num_labels=1, dtype=DTYPES[dtype], local_files_only=True,
+        attn_implementation=resolve_attn_implementation(attn_implementation, device))
     _disable_dropout(model)
     return model.to(device)
 

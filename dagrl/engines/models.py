@@ -26,6 +26,8 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from dagrl.engines.attention import resolve_attn_implementation
+
 logger = logging.getLogger(__name__)
 
 # The character vocabulary of the tiny models: 4 specials, digits, lowercase letters and
@@ -178,13 +180,16 @@ def load_tokenizer(path: str, gguf_file: str = "") -> PreTrainedTokenizerBase:
 
 
 def load_model(path: str, gguf_file: str = "", dtype: str = "float32",
-               device: torch.device | str = "cpu") -> PreTrainedModel:
-    """Load a HF causal LM from a local directory (safetensors, or a GGUF file inside it)."""
+               device: torch.device | str = "cpu", attn_implementation: str = "auto",
+               ) -> PreTrainedModel:
+    """Load a HF causal LM from a local directory (safetensors, or a GGUF file inside it).
+    `attn_implementation`: see `dagrl.engines.attention.resolve_attn_implementation`."""
     _check_model_dir(path, gguf_file)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     hf_logging.disable_progress_bar()   # one bar per model load is noise in a training log
-    model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=DTYPES[dtype],
-                                                 **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, local_files_only=True, dtype=DTYPES[dtype],
+        attn_implementation=resolve_attn_implementation(attn_implementation, device), **kwargs)
     # Dropout would make log-probs of the same tokens differ between the rollout, old-logprob
     # and update passes; RL post-training runs with it off.
     _disable_dropout(model)

@@ -58,10 +58,14 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
                   world_size: int = 1, log: Callable[[str], None] = print) -> Engines:
     """Build the engines in `needed` (names from dagrl.dag.roles.ENGINES)."""
     m = cfg.model
+
+    def load() -> torch.nn.Module:
+        return load_model(m.path, m.gguf_file, m.dtype, device, m.attn_implementation)
+
     tokenizer = load_tokenizer(m.path, m.gguf_file)
     engines = Engines(tokenizer=tokenizer, log=log)
     if "actor" in needed:
-        actor_model = load_model(m.path, m.gguf_file, m.dtype, device)
+        actor_model = load()
         if cfg.actor.compile:
             compile_layers(actor_model)
         actor_model = shard_model(actor_model, world_size, device.type)
@@ -70,7 +74,8 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
                                     samples_per_prompt=cfg.rollout.n,
                                     dp_group=dist.group.WORLD if world_size > 1 else None)
     if "critic" in needed:
-        critic_model = load_value_model(cfg.critic.path or m.path, m.dtype, device)
+        critic_model = load_value_model(cfg.critic.path or m.path, m.dtype, device,
+                                        m.attn_implementation)
         engines.critic = CriticEngine(shard_model(critic_model, world_size, device.type),
                                       cfg.critic, cfg.actor,
                                       loss_agg_mode=cfg.algorithm.loss_agg_mode,
@@ -78,12 +83,12 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
                                       dp_group=dist.group.WORLD if world_size > 1 else None)
     if "rollout" in needed:
         # Starts from the same checkpoint as the actor: nothing to sync before the first update.
-        engines.generator = Generator(load_model(m.path, m.gguf_file, m.dtype, device),
+        engines.generator = Generator(load(),
                                       eos_token_id=tokenizer.eos_token_id,
                                       pad_token_id=tokenizer.pad_token_id,
                                       stop_token_ids=cfg.rollout.stop_token_ids)
     if "ref" in needed:
-        ref = load_model(m.path, m.gguf_file, m.dtype, device).eval().requires_grad_(False)
+        ref = load().eval().requires_grad_(False)
         if cfg.actor.compile:
             compile_layers(ref)
         engines.ref_model = shard_model(ref, world_size, device.type)

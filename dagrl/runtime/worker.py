@@ -40,6 +40,7 @@ from dagrl.observe.observer import StepObserver
 from dagrl.runtime.checkpoint import Checkpointer, Stateful, resolve_resume
 from dagrl.runtime.distributed import DistContext, create_layout_groups
 from dagrl.runtime.engines import build_engines
+from dagrl.runtime.host_memory import keep_freed_memory
 from dagrl.runtime.nodes import NodeContext
 from dagrl.runtime.validation import Validator
 
@@ -73,6 +74,8 @@ class Worker:
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
         if cfg.trainer.torch_threads:
             torch.set_num_threads(cfg.trainer.torch_threads)
+        if cfg.trainer.keep_freed_memory:
+            keep_freed_memory()
         torch.manual_seed(cfg.trainer.seed)
         self.device = self.dist.device
         self.graph, self.order, plans = plan_for(cfg, self.world_size)
