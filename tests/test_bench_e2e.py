@@ -16,7 +16,7 @@ def test_our_side_runs_and_reports_against_the_limit(tmp_path, capsys):
     assert "ours:" in printed and "limit:" in printed and "ratio" not in printed
 
     data = json.loads(out.read_text())
-    assert "trl" not in data
+    assert "trl" not in data and "ours-compiled" not in data
     ours = data["ours"]
     assert len(ours["step_seconds"]) == 2
     assert ours["mean_length"] == [4.0, 4.0]            # min = max new tokens on our side
@@ -41,3 +41,18 @@ def test_first_step_is_excluded():
     assert summary["tokens_per_s_median"] == 10.0
     assert summary["tokens_per_s_best"] == 10.0
     assert summary["tokens_per_cpu_s"] == 5.0
+
+
+def test_ratios_compare_each_pair_and_the_fastest_settings():
+    a = {"tokens_per_s": 8.0, "tokens_per_s_median": 6.0, "tokens_per_s_best": 10.0,
+         "tokens_per_cpu_s": 4.0}
+    b = {"tokens_per_s": 4.0, "tokens_per_s_median": 4.0, "tokens_per_s_best": 4.0,
+         "tokens_per_cpu_s": 1.0}
+    assert e2e.compare(a, b) == {"mean": 2.0, "median": 1.5, "best": 2.5, "cpu": 4.0}
+
+
+def test_unknown_side_is_refused(tmp_path):
+    import pytest
+
+    with pytest.raises(SystemExit):
+        e2e.main(["--sides", "ours,vllm", "--out", str(tmp_path)])

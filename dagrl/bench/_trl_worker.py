@@ -68,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true",
+                        help="TrainingArguments.torch_compile (the model wrapped in torch.compile)")
     ns = parser.parse_args(argv)
 
     import torch
@@ -117,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
             # update the same kind of update).
             learning_rate=3e-3, adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0,
             max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0,
+            torch_compile=ns.compile,
         )
         model = AutoModelForCausalLM.from_pretrained(ns.model, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(ns.model)
