@@ -3,7 +3,7 @@ the host-memory setting that keeps freed pages for reuse."""
 
 from __future__ import annotations
 
-import resource
+import subprocess
 import sys
 
 import pytest
@@ -13,7 +13,6 @@ from dagrl.engines import attention
 from dagrl.engines.attention import NAME, grouped_attention, resolve_attn_implementation
 from dagrl.engines.forward import response_logprobs
 from dagrl.engines.models import load_model
-from dagrl.runtime.host_memory import keep_freed_memory
 
 
 def _left_padded(batch: int, length: int, vocab: int, seed: int = 0):
@@ -67,7 +66,9 @@ def test_grouped_attention_heads_share_kv_in_order():
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 6, 5, 8), torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8)
     got, _ = grouped_attention(None, q, k, v, None, scaling=0.3)
-    rep = lambda t: t.repeat_interleave(2, dim=1)          # noqa: E731
+    def rep(t: torch.Tensor) -> torch.Tensor:
+        return t.repeat_interleave(2, dim=1)
+
     want = torch.softmax(q @ rep(k).transpose(-1, -2) * 0.3, -1) @ rep(v)
     torch.testing.assert_close(got, want.transpose(1, 2))
 
@@ -80,12 +81,31 @@ def test_resolve_attn_implementation():
         resolve_attn_implementation("flash", "cpu")
 
 
+_STEPS = """
+import resource, sys, torch
+from dagrl.runtime.host_memory import keep_freed_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_memory()
+faults = []
+for _ in range(6):                     # six "steps": 8 activations of 5 MiB, then all freed
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    acts = [torch.ones(5 * 2**20 // 4) for _ in range(8)]
+    del acts
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(sum(faults[3:]))                 # the last three steps
+"""
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
 def test_keep_freed_memory_reuses_pages():
-    assert keep_freed_memory()
-    size = 24 * 2**20 // 4                 # 24 MiB: above glibc's default mmap threshold
-    torch.ones(size)                       # faulted in once, then freed into the heap
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    torch.ones(size)                       # the same pages again
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-    assert faults < 1000, f"{faults} page faults re-allocating 24 MiB (6144 pages)"
+    """In a fresh process (as a worker starts), steps that allocate and free the same
+    activations: by default glibc hands the freed heap back and every step faults its 40 MiB
+    (~10k pages) in again; with the setting the pages stay and later steps fault none."""
+    def faults(mode: str) -> int:
+        out = subprocess.run([sys.executable, "-c", _STEPS, mode], check=True,
+                             capture_output=True, text=True).stdout
+        return int(out.split()[-1])
+
+    default, kept = faults("default"), faults("keep")
+    assert default > 20000, f"default glibc faulted only {default} pages: nothing to test"
+    assert kept < 1000, f"{kept} page faults in three steps with freed memory kept"
