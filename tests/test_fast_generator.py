@@ -35,7 +35,7 @@ def setup(family_dir):
 
 
 def generators(model, tok) -> tuple[Generator, Generator]:
-    kwargs = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    kwargs = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
     fast, slow = Generator(model, **kwargs), Generator(model, **kwargs, fast=False)
     assert fast.fast is not None and slow.fast is None
     return fast, slow
@@ -204,8 +204,8 @@ def _random_model(config):
 
 
 def test_unsupported_architectures_fall_back():
-    small = dict(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, intermediate_size=64)
+    small = {"vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+                 "num_key_value_heads": 2, "intermediate_size": 64}
     sliding = _random_model(Qwen2Config(**small, use_sliding_window=True, sliding_window=8,
                                         max_window_layers=1))
     scaled = _random_model(LlamaConfig(**small, rope_parameters={
@@ -231,8 +231,8 @@ def test_stop_tokens_end_responses_on_both_paths(setup):
     seeds = seeds_for(len(PROMPTS))
     free = fast.generate(ids, mask, seeds, SamplingParams(temperature=0), max_new_tokens=12)
     stop_id = int(free.responses[0, 2])   # what row 0 emits third: make it a stop token
-    kwargs = dict(eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                  stop_token_ids=[stop_id])
+    kwargs = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
+                  "stop_token_ids": [stop_id]}
     for gen in (Generator(model, **kwargs), Generator(model, **kwargs, fast=False)):
         out = gen.generate(ids, mask, seeds, SamplingParams(temperature=0), max_new_tokens=12)
         for i in range(len(PROMPTS)):

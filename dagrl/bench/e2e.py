@@ -292,14 +292,14 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{r['tokens_per_cpu_s']:.1f} per CPU-s), mean completion length "
               f"{statistics.mean(r['mean_length']):.1f}, {r['fraction_of_limit']:.1%} of the "
               f"limit, load {r['load_before']:.1f} -> {r['load_after']:.1f}")
-    for ours in (s for s in sides if s.startswith("ours")):
-        for trl in (s for s in sides if s.startswith("trl")):
+    ours_sides = [s for s in sides if s.startswith("ours")]
+    trl_sides = [s for s in sides if s.startswith("trl")]
+    for ours in ours_sides:
+        for trl in trl_sides:
             results[f"ratio {ours} / {trl}"] = ratios = compare(results[ours], results[trl])
             print(f"ratio {ours} / {trl} = {ratios['mean']:.2f}x (median steps "
                   f"{ratios['median']:.2f}x, best steps {ratios['best']:.2f}x, per CPU-s "
                   f"{ratios['cpu']:.2f}x)")
-    ours_sides = [s for s in sides if s.startswith("ours")]
-    trl_sides = [s for s in sides if s.startswith("trl")]
     if ours_sides and trl_sides:
         # Each framework at its fastest setting on this workload.
         best_ours = max(ours_sides, key=lambda s: results[s]["tokens_per_s"])
