@@ -1,7 +1,7 @@
 """`dagrl bench rollout`: our rollout generator beside transformers' `model.generate`.
 
     dagrl bench rollout [--models tiny,e2e,smollm2] [--batch 64] [--new-tokens 32]
-                        [--smol-batch 16] [--smol-new-tokens 64] [--repeats 3]
+                        [--smol-batch 16] [--smol-new-tokens 64] [--repeats 5]
                         [--threads 2] [--seed 0]
     python -m dagrl.bench.rollout [same options]
 
@@ -15,7 +15,9 @@ Both sides get the same model, the same left-padded prompt batch (random token i
 lengths) and are forced to emit exactly the same number of tokens (min = max new tokens, which
 suppresses EOS). Sampled rows use temperature 1, top-k off, top-p 1 (`do_sample=True` for HF);
 greedy rows also check that both sides produced identical tokens. Each side runs once as a
-warm-up, then `--repeats` timed runs; the median is reported as generated tokens per second.
+warm-up, then `--repeats` timed rounds, the two sides alternating within each round (so a slow
+stretch of the machine hits both); each side's median is reported as generated tokens per
+second.
 """
 
 from __future__ import annotations
@@ -26,8 +28,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 
@@ -60,15 +62,19 @@ def prompt_batch(batch: int, vocab: int, pad_id: int, seed: int, min_len: int = 
     return ids.masked_fill(mask == 0, pad_id), mask
 
 
-def timed(fn: Callable[[], torch.Tensor], repeats: int) -> tuple[float, torch.Tensor]:
-    """Median seconds of `repeats` calls after one warm-up, and the last call's output."""
-    out = fn()
-    times = []
+def timed_side_by_side(fns: Sequence[Callable[[], torch.Tensor]], repeats: int,
+                       ) -> tuple[list[float], list[torch.Tensor]]:
+    """Median seconds of each function over `repeats` rounds after one warm-up round, and each
+    one's last output. A round calls every function once, in turn, so a slow stretch of a
+    shared, noisy machine falls on all of them rather than on whichever ran then."""
+    outs = [fn() for fn in fns]
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), out
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            outs[i] = fn()
+            times[i].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times], outs
 
 
 def bench_model(name: str, model, batch: int, new_tokens: int, repeats: int, seed: int) -> list[dict]:
@@ -83,8 +89,8 @@ def bench_model(name: str, model, batch: int, new_tokens: int, repeats: int, see
     for mode in ("sampled", "greedy"):
         do_sample = mode == "sampled"
         params = SamplingParams(temperature=1.0) if do_sample else SamplingParams(temperature=0.0)
-        sampling = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if do_sample \
-            else dict(do_sample=False)
+        sampling = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0} if do_sample \
+            else {"do_sample": False}
 
         def hf(sampling: dict = sampling) -> torch.Tensor:
             out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
@@ -99,13 +105,13 @@ def bench_model(name: str, model, batch: int, new_tokens: int, repeats: int, see
             return out.responses
 
         with torch.no_grad():
-            hf_s, hf_out = timed(hf, repeats)
-            our_s, our_out = timed(ours, repeats)
+            (hf_s, our_s), (hf_out, our_out) = timed_side_by_side((hf, ours), repeats)
         assert hf_out.shape == (batch, new_tokens), hf_out.shape
         tokens = batch * new_tokens
         same = "-" if do_sample else ("yes" if torch.equal(hf_out, our_out) else "no")
-        rows.append(dict(model=name, mode=mode, batch=batch, new_tokens=new_tokens,
-                         hf=tokens / hf_s, ours=tokens / our_s, ratio=hf_s / our_s, same=same))
+        rows.append({"model": name, "mode": mode, "batch": batch, "new_tokens": new_tokens,
+                     "hf": tokens / hf_s, "ours": tokens / our_s, "ratio": hf_s / our_s,
+                     "same": same})
         print(f"  {name} {mode}: hf {tokens / hf_s:,.0f} tok/s, ours {tokens / our_s:,.0f} tok/s",
               flush=True)
     return rows
@@ -120,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32, help="tokens per response (tiny, e2e)")
     parser.add_argument("--smol-batch", type=int, default=16)
     parser.add_argument("--smol-new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
