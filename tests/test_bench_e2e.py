@@ -18,11 +18,13 @@ def test_our_side_runs_and_reports_against_the_limit(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert "trl" not in data and "ours-compiled" not in data
     ours = data["ours"]
-    assert len(ours["step_seconds"]) == 2
-    assert ours["mean_length"] == [4.0, 4.0]            # min = max new tokens on our side
+    assert len(ours["rounds"]) == 2                      # the default: two rounds per side
+    assert len(ours["step_seconds"]) == 2                # each round's first step excluded
+    assert ours["mean_length"] == [4.0] * 4              # min = max new tokens on our side
     assert ours["tokens_per_s"] > 0 and ours["fraction_of_limit"] > 0
     assert data["limit"]["matmul_gflops"] > 0 and data["limit"]["tokens_per_s"] > 0
-    assert (tmp_path / "run" / "ours-run" / "metrics.jsonl").exists()
+    for round_ in (1, 2):
+        assert (tmp_path / "run" / f"ours-run{round_}" / "metrics.jsonl").exists()
 
 
 def test_flops_count_the_workload_model():
@@ -41,6 +43,19 @@ def test_first_step_is_excluded():
     assert summary["tokens_per_s_median"] == 10.0
     assert summary["tokens_per_s_best"] == 10.0
     assert summary["tokens_per_cpu_s"] == 5.0
+
+
+def test_rounds_pool_their_timed_steps():
+    work = e2e.Workload(prompts=1, samples=1, tokens=10)
+    runs = [{"step_seconds": [100.0, 1.0, 1.0], "step_cpu_seconds": [1.0, 2.0, 2.0],
+             "mean_length": [10.0] * 3, "load_before": 0.5, "load_after": 1.0},
+            {"step_seconds": [50.0, 4.0], "step_cpu_seconds": [1.0, 2.0],
+             "mean_length": [10.0] * 2, "load_before": 0.2, "load_after": 0.7}]
+    pooled = e2e.pool(runs, work)
+    assert pooled["step_seconds"] == [1.0, 1.0, 4.0]      # every round's first step left out
+    assert pooled["tokens_per_s"] == 10 * 3 / 6.0
+    assert pooled["tokens_per_s_median"] == 10.0
+    assert (pooled["load_before"], pooled["load_after"]) == (0.2, 1.0)
 
 
 def test_ratios_compare_each_pair_and_the_fastest_settings():

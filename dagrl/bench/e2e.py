@@ -1,7 +1,7 @@
 """A full GRPO step loop of ours beside TRL's GRPOTrainer, on the same workload, in one run.
 
-    dagrl bench e2e                         # ours, ours-compiled, trl: 20 steps each (TRL is
-                                            # installed into a venv if absent)
+    dagrl bench e2e                         # ours, ours-compiled, trl: 20 steps each, two
+                                            # rounds (TRL is installed into a venv if absent)
     dagrl bench e2e --json runs/e2e.json    # also write every figure
     dagrl bench e2e --sides ours --steps 3  # only our side (no TRL, no venv)
     dagrl bench e2e --sides ours,trl,trl-compiled   # TRL with torch_compile too (slow)
@@ -11,7 +11,9 @@ heads, intermediate 512, tied embeddings) with the character tokenizer, written 
 directory that both sides load, so they start from identical weights; prompts `a+b=` with
 a, b in [0, 20]; 8 prompts x 8 samples = 64 completions per step, each exactly 32 tokens
 (EOS masked until then on both sides); temperature 1; no KL term; one optimizer step per
-batch; 2 torch threads; the first step (warm-up) excluded from the figures.
+batch; 2 torch threads; the first step (warm-up) excluded from the figures. Every side runs
+`--rounds` times (default 2), the order of the sides reversed in every other round, and its
+figures pool the timed steps of all its rounds.
 
 It prints completion tokens per second of wall time for each side, every ours/TRL ratio, the
 ratio of each framework's fastest setting (the 2x target), and a hardware limit for the same
@@ -64,17 +66,31 @@ class Workload:
         return self.prompts * self.samples * self.tokens
 
 
-def summarize(step_seconds: list[float], cpu_seconds: list[float], work: Workload) -> dict:
-    """Completion tokens/s over steps 2..N: the mean (total tokens / total time), the median
-    and the fastest step's rate, and tokens per process CPU-second. On a machine others load
-    the fastest step is the closest to a quiet-machine figure: contention only ever slows a
-    step (CPU time is inflated too, by threads spinning while their peers wait for a core)."""
-    timed, cpu = step_seconds[1:] or step_seconds, cpu_seconds[1:] or cpu_seconds
+def summarize(step_seconds: list[float], cpu_seconds: list[float], work: Workload,
+              warmup: int = 1) -> dict:
+    """Completion tokens/s over the steps after the first `warmup`: the mean (total tokens /
+    total time), the median and the fastest step's rate, and tokens per process CPU-second.
+    On a machine others load the fastest step is the closest to a quiet-machine figure:
+    contention only ever slows a step (CPU time is inflated too, by threads spinning while
+    their peers wait for a core)."""
+    timed = step_seconds[warmup:] or step_seconds
+    cpu = cpu_seconds[warmup:] or cpu_seconds
     return {"step_seconds": step_seconds, "step_cpu_seconds": cpu_seconds,
             "tokens_per_s": work.completion_tokens * len(timed) / sum(timed),
             "tokens_per_s_median": work.completion_tokens / statistics.median(timed),
             "tokens_per_s_best": work.completion_tokens / min(timed),
             "tokens_per_cpu_s": work.completion_tokens * len(cpu) / sum(cpu)}
+
+
+def pool(runs: list[dict], work: Workload) -> dict:
+    """One side's figures over all its rounds: the timed steps (each run's first excluded)
+    pooled, so every round weighs by its steps."""
+    timed = [t for run in runs for t in run["step_seconds"][1:]]
+    cpu = [t for run in runs for t in run["step_cpu_seconds"][1:]]
+    return {**summarize(timed, cpu, work, warmup=0),
+            "rounds": runs, "mean_length": [x for run in runs for x in run["mean_length"]],
+            "load_before": min(run["load_before"] for run in runs),
+            "load_after": max(run["load_after"] for run in runs)}
 
 
 def compare(ours: dict, theirs: dict) -> dict:
@@ -248,6 +264,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2, help="torch threads on each side")
     parser.add_argument("--sides", default=",".join(DEFAULT_SIDES),
                         help=f"comma-separated, of {', '.join(SIDES)}")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="runs of every side, in alternating order (a, b, c, then c, b, a, "
+                             "...), so that a slow stretch of the machine falls on all sides")
     parser.add_argument("--venv", type=Path, default=DEFAULT_VENV, help="TRL's venv")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-e2e"),
                         help="model, data and our run's metrics.jsonl go here")
@@ -264,16 +283,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     model, data = write_workload(ns.out)
     results: dict = {"workload": dataclasses.asdict(work), "cpus": os.cpu_count(),
                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    # The sides run one after the other on a machine others may share: the load average
+    # The sides run one after the other on a machine others may share, in rounds whose order
+    # alternates, so drift in the machine's speed reaches every side alike; the load average
     # beside each figure says whether it was measured on a quiet machine.
+    runs: dict[str, list[dict]] = {side: [] for side in sides}
+    for round_ in range(ns.rounds):
+        for side in sides if round_ % 2 == 0 else sides[::-1]:
+            load, compiled = os.getloadavg()[0], side.endswith("-compiled")
+            print(f"round {round_ + 1}/{ns.rounds}: {side}", flush=True)
+            if side.startswith("ours"):
+                result = run_ours(model, data, work, ns.out / f"{side}-run{round_ + 1}", compiled)
+            else:
+                result = run_trl(python, model, data, work,
+                                 ns.out / f"{side}-{round_ + 1}.json", compiled)
+            runs[side].append({**result, "compile": compiled, "load_before": load,
+                               "load_after": os.getloadavg()[0]})
     for side in sides:
-        load, compiled = os.getloadavg()[0], side.endswith("-compiled")
-        if side.startswith("ours"):
-            result = run_ours(model, data, work, ns.out / f"{side}-run", compiled)
-        else:
-            result = run_trl(python, model, data, work, ns.out / f"{side}.json", compiled)
-        results[side] = {**result, "compile": compiled, "load_before": load,
-                         "load_after": os.getloadavg()[0]}
+        results[side] = {**pool(runs[side], work), "compile": side.endswith("-compiled")}
 
     # Best of before and after: the machine's rate, not whatever load it had at one moment.
     gflops = max(gflops_before, matmul_gflops(work.threads))
@@ -283,7 +309,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "tokens_per_s": work.completion_tokens / limit_s}
     print(f"\nworkload: {work.prompts} prompts x {work.samples} samples x {work.tokens} tokens "
           f"= {work.completion_tokens} completion tokens/step, {work.steps} steps (first "
-          f"excluded), {work.threads} threads, {os.cpu_count()} CPUs")
+          f"excluded) x {ns.rounds} rounds per side, {work.threads} threads, {os.cpu_count()} CPUs")
     for side in sides:
         r = results[side]
         r["fraction_of_limit"] = r["tokens_per_s"] / results["limit"]["tokens_per_s"]
@@ -291,7 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{r['tokens_per_s_median']:.1f}, best step {r['tokens_per_s_best']:.1f}; "
               f"{r['tokens_per_cpu_s']:.1f} per CPU-s), mean completion length "
               f"{statistics.mean(r['mean_length']):.1f}, {r['fraction_of_limit']:.1%} of the "
-              f"limit, load {r['load_before']:.1f} -> {r['load_after']:.1f}")
+              f"limit, load {r['load_before']:.1f} -> {r['load_after']:.1f}; rounds: "
+              + ", ".join(f"{run['tokens_per_s']:.0f}" for run in r["rounds"]))
     ours_sides = [s for s in sides if s.startswith("ours")]
     trl_sides = [s for s in sides if s.startswith("trl")]
     for ours in ours_sides:
