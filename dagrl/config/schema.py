@@ -27,7 +27,9 @@ class ModelConfig:
     path: str = "builtin:tiny-qwen2"
     # Name of a .gguf file inside `path` (transformers dequantises it on load).
     gguf_file: str = ""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # Parameter and compute dtype. float64 is for numerics checks: a seeded run's figures then
+    # agree across CPUs and BLAS builds far below float32's rounding (the golden-curve test).
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = "float32"
     # Attention kernel of the teacher-forced passes (actor, reference, critic): `auto` is
     # dagrl's grouped matmul-softmax on CPU (faster than SDPA for short RL sequences, see
     # engines/attention.py) and SDPA on GPUs; or any of sdpa, eager, dagrl_grouped.

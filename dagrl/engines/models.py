@@ -39,7 +39,8 @@ TINY_CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{%
 
 BUILTIN_PREFIX = "builtin:"
 TINY_FAMILIES = ("tiny-qwen2", "tiny-llama")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
 
 
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
