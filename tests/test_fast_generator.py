@@ -256,3 +256,16 @@ def test_right_padded_prompts_are_refused(setup):
     mask[2, -1] = 0
     with pytest.raises(ValueError, match=r"prompt rows \[2\] do not end in a real token"):
         fast.generate(ids, mask, seeds_for(len(PROMPTS)), SamplingParams(), max_new_tokens=4)
+
+
+def test_lm_head_blocks_give_row_major_logits(monkeypatch):
+    """The decode LM head in vocabulary blocks (the last one partial), each transposed into a
+    row-major result, equals F.linear."""
+    from dagrl.engines import fast_generator
+
+    monkeypatch.setattr(fast_generator, "WEIGHT_MAJOR_CHUNK_ROWS", 32)
+    torch.manual_seed(0)
+    x, weight = torch.randn(5, 16), torch.randn(100, 16)
+    logits = fast_generator._lm_head(x, weight)
+    assert logits.shape == (5, 100) and logits.is_contiguous()
+    torch.testing.assert_close(logits, torch.nn.functional.linear(x, weight), rtol=1e-6, atol=1e-6)
