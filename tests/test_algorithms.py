@@ -217,7 +217,7 @@ def test_kl_unknown_kind():
 
 # ---------------------------------------------------------------------------- policy loss
 
-CLIP = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0)
+CLIP = {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0}
 
 
 def test_vanilla_policy_loss_branches():

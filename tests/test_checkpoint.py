@@ -161,7 +161,7 @@ def test_export_loads_in_transformers_and_generates_like_the_actor(tmp_path):
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "3+4="}],
                                            add_generation_prompt=True, return_tensors="pt",
                                            return_dict=True)
-    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    kwargs = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": tokenizer.pad_token_id}
     ours = model.generate(**prompt, **kwargs)
     with torch.no_grad():
         trained = actor.generate(**prompt, **kwargs)

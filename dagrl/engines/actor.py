@@ -8,7 +8,7 @@ with the policy loss, aggregation and KL estimator chosen by name from their reg
 from __future__ import annotations
 
 import inspect
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist

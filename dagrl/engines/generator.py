@@ -17,8 +17,8 @@ quantity the actor recomputes in training, before any top-k/top-p truncation.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import torch
 from transformers import DynamicCache, PreTrainedModel

@@ -64,12 +64,12 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
 def tiny_model_config(family: str, vocab_size: int, hidden_size: int, layers: int,
                       max_positions: int = 256):
     """Config of a small randomly initialised Qwen2 or Llama causal LM (GQA, tied embeddings)."""
-    common = dict(
-        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=4 * hidden_size,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=max_positions, tie_word_embeddings=True,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )
+    common = {
+        "vocab_size": vocab_size, "hidden_size": hidden_size, "intermediate_size": 4 * hidden_size,
+        "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": max_positions, "tie_word_embeddings": True,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+    }
     if family == "tiny-qwen2":
         return Qwen2Config(**common)
     if family == "tiny-llama":

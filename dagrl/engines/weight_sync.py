@@ -14,7 +14,7 @@ FSDP2 shards every parameter on dim 0 the way `torch.chunk` does: rank r holds r
 from __future__ import annotations
 
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist

@@ -28,7 +28,7 @@ class JsonlLogger:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._file = open(path, "a", encoding="utf-8")
+        self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (open for the run; close())
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v)

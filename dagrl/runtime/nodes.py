@@ -18,8 +18,8 @@ Fields each role adds to the batch (shapes for a shard of N samples, response wi
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
