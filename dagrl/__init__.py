@@ -4,7 +4,7 @@ An RL algorithm is a DAG of roles (rollout, reward, log-probs, advantage, update
 runs the same plan on its own shard of the data. See docs/architecture.md.
 """
 
-from dagrl.dag.roles import register_role
+from dagrl.roles.registry import register_role
 
 __version__ = "0.1.0"
 __all__ = ["register_role", "__version__"]

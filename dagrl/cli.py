@@ -8,7 +8,7 @@
     dagrl export CHECKPOINT|RUN_DIR --out DIR   # a checkpoint's actor as a HF model directory
     dagrl bench dataplane [--workers 2,4,8] ... # our reshard vs a single-controller emulation
     dagrl bench learning [--algorithms all]     # reward early vs late for every algorithm
-    dagrl bench rollout                         # our generator vs transformers generate
+    dagrl bench rollout                         # our native rollout vs transformers generate
     dagrl bench e2e                             # our GRPO step loop vs TRL's GRPOTrainer
 """
 
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 USAGE = __doc__
 
@@ -35,7 +35,7 @@ def plan_main(argv: Sequence[str]) -> int:
     from dagrl.dag.planner import format_plan
     from dagrl.dag.spec import GraphError
     from dagrl.registry import UnknownNameError
-    from dagrl.runtime.worker import plan_for
+    from dagrl.roles.plan import plan_for
     from dagrl.train import load_cli_config
 
     try:
@@ -63,9 +63,10 @@ def report_main(argv: Sequence[str]) -> int:
     parser.add_argument("--out", help="default: RUN_DIR/report.html")
     ns = parser.parse_args(argv)
     from dagrl.observe.report import ReportError, write_report
+    from dagrl.roles.plan import plan_for
 
     try:
-        path = write_report(ns.run_dir, ns.out)
+        path = write_report(ns.run_dir, ns.out, plan_for)
     except (ReportError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -89,17 +90,27 @@ def data_main(argv: Sequence[str]) -> int:
     return 0
 
 
-BENCHMARKS = {"dataplane": "dagrl.bench.dataplane", "learning": "dagrl.bench.learning",
-              "rollout": "dagrl.bench.rollout", "e2e": "dagrl.bench.e2e"}
+BENCHMARKS = ("dataplane", "learning", "rollout", "e2e")
 
 
 def bench_main(argv: Sequence[str]) -> int:
+    """Run `benchmarks/<name>.py` of the source checkout (benchmarks are not installed with the
+    library: they need TRL, a second venv or a real model, and are run from a clone)."""
     if not argv or argv[0] not in BENCHMARKS:
         print(f"usage: dagrl bench {{{','.join(BENCHMARKS)}}} [options]", file=sys.stderr)
         return 2
     import importlib
+    from pathlib import Path
 
-    return importlib.import_module(BENCHMARKS[argv[0]]).main(argv[1:]) or 0
+    checkout = Path(__file__).resolve().parents[1]
+    if not (checkout / "benchmarks" / f"{argv[0]}.py").is_file():
+        print(f"error: dagrl bench runs the benchmarks/ folder of a source checkout; none "
+              f"beside {checkout} (clone the repository and install it with pip install -e .)",
+              file=sys.stderr)
+        return 2
+    if str(checkout) not in sys.path:
+        sys.path.insert(0, str(checkout))
+    return importlib.import_module(f"benchmarks.{argv[0]}").main(argv[1:]) or 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

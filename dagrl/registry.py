@@ -8,7 +8,8 @@ lookup errors uniform: an unknown name names the kind, the closest valid name an
 from __future__ import annotations
 
 import difflib
-from typing import Callable, Generic, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 

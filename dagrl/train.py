@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from dagrl.config.loader import ConfigError, dump_yaml
 from dagrl.config.presets import load_run_config
@@ -53,7 +53,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(dump_yaml(cfg), end="")
         return 0
     from dagrl.runtime.distributed import env_world
-    from dagrl.runtime.launch import launch, run_worker_from_env
+    from dagrl.runtime.launch import launch
+    from dagrl.runtime.process import run_worker_from_env
 
     user_errors = _user_errors()
     if env_world() is not None:   # started by torchrun: this process is one worker
@@ -80,8 +81,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from dagrl.engines.models import TokenizerError
     from dagrl.rewards.manager import RewardError
     from dagrl.runtime.checkpoint import CheckpointError
-    from dagrl.runtime.launch import RunDirError
     from dagrl.runtime.ray_launcher import WorkerFailed
+    from dagrl.runtime.run_dir import RunDirError
 
     return (DatasetError, TokenizerError, RewardError, CheckpointError, RunDirError, WorkerFailed,
             FileNotFoundError, FloatingPointError)

@@ -37,7 +37,8 @@ def run_distributed(fn, world: int, *args, timeout: float = 180.0) -> list:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue))
+             for r in range(world)]
     for p in procs:
         p.start()
     results, errors = {}, []

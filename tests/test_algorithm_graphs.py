@@ -26,7 +26,7 @@ SIGNATURE_METRIC = {"ppo": "critic/vf_loss", "dapo": "filter/rounds",
 def _run_all(rank, world, root):
     from dagrl.config.presets import load_run_config
     from dagrl.runtime.distributed import DistContext
-    from dagrl.runtime.launch import prepare_run
+    from dagrl.runtime.run_dir import prepare_run
     from dagrl.runtime.worker import Worker
 
     ctx = DistContext(rank=rank, world_size=world)

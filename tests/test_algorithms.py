@@ -10,6 +10,8 @@ from dagrl.algorithms import (
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
+    AdvantageInputs,
+    PolicyLossParams,
     agg_denominator,
     agg_loss,
     compute_grpo_advantages,
@@ -90,7 +92,7 @@ def test_entropy_from_logits():
 def _rewards_at_last_token(scores: list[float], lengths: list[int], T: int = 4):
     rewards = torch.zeros(len(scores), T)
     mask = torch.zeros(len(scores), T)
-    for i, (s, n) in enumerate(zip(scores, lengths)):
+    for i, (s, n) in enumerate(zip(scores, lengths, strict=True)):
         mask[i, :n] = 1
         rewards[i, n - 1] = s
     return rewards, mask
@@ -112,7 +114,8 @@ GROUPS = torch.tensor([0, 1, 0, 1, 0, 2])
 )
 def test_grpo_hand_values(norm_by_std, expected):
     rewards, mask = _rewards_at_last_token(SCORES, LENGTHS)
-    adv, ret = compute_grpo_advantages(rewards, mask, GROUPS, norm_by_std=norm_by_std, eps=0.0)
+    adv, ret = compute_grpo_advantages(
+        AdvantageInputs(rewards, mask, GROUPS, norm_by_std=norm_by_std, eps=0.0))
     assert torch.equal(adv, ret)
     for i, a in enumerate(expected):
         n = LENGTHS[i]
@@ -123,7 +126,7 @@ def test_grpo_hand_values(norm_by_std, expected):
 def test_grpo_eps_and_registry():
     rewards, mask = _rewards_at_last_token(SCORES, LENGTHS)
     fn = ADVANTAGE_ESTIMATORS.get("grpo")
-    adv, _ = fn(rewards, mask, GROUPS)  # default eps = 1e-6
+    adv, _ = fn(AdvantageInputs(rewards, mask, GROUPS))  # default eps = 1e-6
     # Sample 1: (3 - 2) / (√2 + 1e-6); the singleton: 0.5 / (1 + 1e-6).
     assert adv[1, 0].item() == pytest.approx(1 / (math.sqrt(2) + 1e-6), rel=1e-6)
     assert adv[5, 0].item() == pytest.approx(0.5 / (1 + 1e-6), rel=1e-6)
@@ -131,9 +134,9 @@ def test_grpo_eps_and_registry():
 
 def test_grpo_permutation_equivariant():
     rewards, mask = _rewards_at_last_token(SCORES, LENGTHS)
-    adv, _ = compute_grpo_advantages(rewards, mask, GROUPS)
+    adv, _ = compute_grpo_advantages(AdvantageInputs(rewards, mask, GROUPS))
     perm = torch.tensor([3, 0, 5, 2, 4, 1])
-    adv_p, _ = compute_grpo_advantages(rewards[perm], mask[perm], GROUPS[perm])
+    adv_p, _ = compute_grpo_advantages(AdvantageInputs(rewards[perm], mask[perm], GROUPS[perm]))
     assert torch.allclose(adv_p, adv[perm])
 
 
@@ -146,7 +149,8 @@ def test_grpo_random_groups_match_loop_and_sum_to_zero(norm_by_std):
     lengths = torch.randint(1, T + 1, (B,), generator=g)
     mask = (torch.arange(T)[None, :] < lengths[:, None]).float()
     rewards = torch.randn(B, T, generator=g) * mask
-    adv, _ = compute_grpo_advantages(rewards, mask, group_index, norm_by_std=norm_by_std)
+    adv, _ = compute_grpo_advantages(
+        AdvantageInputs(rewards, mask, group_index, norm_by_std=norm_by_std))
 
     scores = rewards.sum(-1).tolist()
     for gid in range(G):
@@ -166,11 +170,11 @@ def test_grpo_random_groups_match_loop_and_sum_to_zero(norm_by_std):
 def test_grpo_input_errors():
     rewards, mask = _rewards_at_last_token(SCORES, LENGTHS)
     with pytest.raises(ValueError, match="group_index"):
-        compute_grpo_advantages(rewards, mask, GROUPS[:4])
+        compute_grpo_advantages(AdvantageInputs(rewards, mask, GROUPS[:4]))
     with pytest.raises(ValueError, match="integer"):
-        compute_grpo_advantages(rewards, mask, GROUPS.float())
+        compute_grpo_advantages(AdvantageInputs(rewards, mask, GROUPS.float()))
     with pytest.raises(ValueError, match="response_mask"):
-        compute_grpo_advantages(rewards, mask[:, :3], GROUPS)
+        compute_grpo_advantages(AdvantageInputs(rewards, mask[:, :3], GROUPS))
 
 
 # ------------------------------------------------------------------------------------- KL
@@ -229,7 +233,7 @@ def test_vanilla_policy_loss_branches():
     logp = (old + torch.tensor([ratios]).log()).requires_grad_(True)
     adv = torch.tensor([advs])
     fn = POLICY_LOSSES.get("ppo")
-    loss, stats = fn(logp, old, adv, mask, **CLIP)
+    loss, stats = fn(logp, old, adv, mask, PolicyLossParams(**CLIP))
 
     # 0 unclipped: -1·1.1; 1 clipped high: -1·1.28; 2 clipped low: max(0.5, 0.8) = 0.8;
     # 3 dual clip: min(max(4, 1.28), 3) = 3; 4 A>0 with small r: max(-1, -1.6) = -1; 5 padding.
@@ -251,7 +255,8 @@ def test_vanilla_policy_loss_on_policy():
     logp = torch.randn(3, 4)
     adv = torch.randn(3, 4)
     mask = torch.ones(3, 4)
-    loss, stats = POLICY_LOSSES.get("vanilla")(logp, logp.clone(), adv, mask, **CLIP)
+    loss, stats = POLICY_LOSSES.get("vanilla")(logp, logp.clone(), adv, mask,
+                                               PolicyLossParams(**CLIP))
     assert torch.all(stats["clip_frac"] == 0)
     assert torch.all(stats["clip_frac_lower"] == 0)
     assert torch.allclose(loss, -adv)
@@ -261,10 +266,10 @@ def test_vanilla_policy_loss_validates_clip_ratio_c():
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match="clip_ratio_c"):
         POLICY_LOSSES.get("vanilla")(
-            x, x, x, x, clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=1.0
+            x, x, x, x, PolicyLossParams(clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=1.0)
         )
     with pytest.raises(ValueError, match="advantages"):
-        POLICY_LOSSES.get("vanilla")(x, x, torch.zeros(1, 3), x, **CLIP)
+        POLICY_LOSSES.get("vanilla")(x, x, torch.zeros(1, 3), x, PolicyLossParams(**CLIP))
 
 
 # --------------------------------------------------------------------------- loss agg
@@ -324,7 +329,7 @@ def test_micro_batches_with_global_denom_sum_to_full_batch(mode):
     global_denom = agg_denominator(mask, mode)
     pieces = [
         agg_loss(lm, m, mode, denom=global_denom)
-        for lm, m in zip(loss_full.tensor_split(3), mask.tensor_split(3))
+        for lm, m in zip(loss_full.tensor_split(3), mask.tensor_split(3), strict=True)
     ]
     total = sum(pieces)
     (grad_split,) = torch.autograd.grad(total, loss_full)

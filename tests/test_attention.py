@@ -86,7 +86,7 @@ def test_resolve_attn_implementation():
 
 _STEPS = """
 import ctypes, ctypes.util, json, resource, sys, torch
-from dagrl.runtime.host_memory import keep_freed_memory
+from dagrl.engines.host_memory import keep_freed_memory
 
 class MallInfo2(ctypes.Structure):   # glibc >= 2.33, <malloc.h>
     _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd",

@@ -330,7 +330,7 @@ def test_counted_bad_rewards_finish_the_run(tmp_path, tiny_model_dir, good_file)
 
 
 def test_unwritable_run_directory_is_named_before_any_work(tmp_path, tiny_model_dir, good_file):
-    from dagrl.runtime.launch import RunDirError
+    from dagrl.runtime.run_dir import RunDirError
 
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from dagrl.bench import e2e
+from benchmarks import e2e
 
 
 def test_our_side_runs_and_reports_against_the_limit(tmp_path, capsys):

@@ -14,7 +14,8 @@ from tests.dist_helpers import run_distributed
 
 
 def make_shard(rank: int, n: int, group_size: int = 1, width: int = 5) -> Batch:
-    """n samples with globally unique ids; groups of `group_size` consecutive samples share a uid."""
+    """n samples with globally unique ids; groups of `group_size` consecutive samples share a
+    uid."""
     ids = torch.arange(n) + 1000 * rank
     g = torch.Generator().manual_seed(rank)
     lengths = torch.randint(1, width + 1, (n,), generator=g)
@@ -24,7 +25,8 @@ def make_shard(rank: int, n: int, group_size: int = 1, width: int = 5) -> Batch:
                  "logprobs": torch.randn(n, width, generator=g, dtype=torch.float64),
                  "responses": torch.randint(0, 50, (n, width), generator=g)},
         non_tensors={"uid": [f"r{rank}-g{int(i) // group_size}" for i in range(n)],
-                     "extra_info": [{"rank": rank, "i": int(i), "tags": ["a", int(i)]} for i in range(n)]},
+                     "extra_info": [{"rank": rank, "i": int(i), "tags": ["a", int(i)]}
+                                    for i in range(n)]},
         batch_size=n)
 
 
@@ -54,7 +56,7 @@ def _exchange(rank, world, sizes, seed, use_p2p):
     shard = make_shard(rank, sizes[rank])
     dest = torch.from_numpy(np.random.default_rng([seed, rank]).integers(0, world, sizes[rank]))
     out = exchange(shard, dest, use_p2p=use_p2p)
-    sent = {int(i): int(d) for i, d in zip(shard["sample_id"], dest)}
+    sent = {int(i): int(d) for i, d in zip(shard["sample_id"], dest, strict=True)}
     return fingerprint(shard), sent, fingerprint(out), out["sample_id"].tolist()
 
 
@@ -99,7 +101,7 @@ def _scenarios(rank, world):
     }
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def results_for(world: int):
     per_rank = run_distributed(_scenarios, world)
     return {key: [r[key] for r in per_rank] for key in per_rank[0]}
@@ -136,7 +138,7 @@ def test_node_on_a_subset_of_ranks_round_trip(world):
         global_order.extend(ids)
     for _, _, _, back_ids, scores, back_fp, uids in results:
         after_order.extend(back_ids)
-        for sid, score in zip(back_ids, scores):
+        for sid, score in zip(back_ids, scores, strict=True):
             assert back_fp[sid] == before[sid]                 # every field survives the trip
             assert score == pytest.approx(sum(before[sid][1]))  # computed on ranks 0/1
         assert all(uids.count(u) == 2 for u in uids)           # groups are never split
@@ -152,7 +154,7 @@ def test_balanced_partition_bound_and_counts():
         for _ in range(50):
             weights = rng.integers(1, 500, rng.integers(k, 60)).tolist()
             part = balanced_partition(weights, k)
-            loads = [sum(w for w, p in zip(weights, part) if p == q) for q in range(k)]
+            loads = [sum(w for w, p in zip(weights, part, strict=True) if p == q) for q in range(k)]
             counts = [part.count(q) for q in range(k)]
             assert max(counts) - min(counts) <= 1
             assert max(loads) - min(loads) <= max(weights)     # the stated bound

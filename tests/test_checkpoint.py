@@ -18,7 +18,8 @@ from dagrl.config.presets import load_run_config
 from dagrl.config.schema import Config
 from dagrl.runtime import checkpoint as ckpt
 from dagrl.runtime.checkpoint import CheckpointError, list_checkpoints
-from dagrl.runtime.launch import launch, prepare_run
+from dagrl.runtime.launch import launch
+from dagrl.runtime.run_dir import prepare_run
 from dagrl.runtime.worker import Worker
 from tests.dist_helpers import free_port
 
@@ -80,7 +81,7 @@ def test_killed_run_resumes_with_identical_metrics(tmp_path, monkeypatch, uninte
     assert len(history) == total - save_every          # resumed after the checkpoint
     resumed = metrics(run_dir)
     assert [r["step"] for r in resumed] == list(range(1, total + 1))   # re-run steps replaced
-    for ours, ref in zip(resumed, uninterrupted[:total]):
+    for ours, ref in zip(resumed, uninterrupted[:total], strict=True):
         assert stable(ours) == stable(ref), ours["step"]
 
 
@@ -156,7 +157,7 @@ def test_export_loads_in_transformers_and_generates_like_the_actor(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     tokenizer = AutoTokenizer.from_pretrained(out)
     actor = worker.engines.actor.model.eval()
-    for (name, p), (_, q) in zip(actor.named_parameters(), model.named_parameters()):
+    for (name, p), (_, q) in zip(actor.named_parameters(), model.named_parameters(), strict=True):
         assert torch.equal(p, q), name
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "3+4="}],
                                            add_generation_prompt=True, return_tensors="pt",
@@ -204,7 +205,7 @@ COMPARED = ["reward/mean", "reward/std", "response/length/mean", "actor/pg_loss"
 
 def assert_close_runs(ours, reference):
     assert [m["step"] for m in ours] == [m["step"] for m in reference]
-    for a, b in zip(ours, reference):
+    for a, b in zip(ours, reference, strict=True):
         for key in COMPARED:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 import pytest
 import yaml
@@ -34,7 +34,7 @@ class OptimCfg:
 class ActorCfg:
     clip_ratio_c: float = 3.0
     loss_agg: Literal["token-mean", "seq-mean"] = "token-mean"
-    max_tokens: Optional[int] = None
+    max_tokens: int | None = None
     use_kl: bool = False
     optim: OptimCfg = field(default_factory=OptimCfg)
 

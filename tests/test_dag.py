@@ -10,7 +10,6 @@ from dagrl.config.loader import from_dict
 from dagrl.config.schema import Config
 from dagrl.dag.builtin import BUILTIN_GRAPHS
 from dagrl.dag.planner import format_plan, make_plan
-from dagrl.dag.roles import ROLES, import_user_modules, load_builtin_roles
 from dagrl.dag.spec import (
     GraphError,
     GraphSpec,
@@ -19,6 +18,8 @@ from dagrl.dag.spec import (
     load_graph_yaml,
     validate_graph,
 )
+from dagrl.roles.plan import load_builtin_roles
+from dagrl.roles.registry import ROLES, import_user_modules
 
 ROLES_ = load_builtin_roles()
 grpo_graph = BUILTIN_GRAPHS.get("grpo")
@@ -45,7 +46,8 @@ def test_old_logprob_pass_only_when_pi_old_differs_from_pi():
     off_policy = from_dict(Config, {"actor": {"mini_batch_size": 16}})
     assert "old_logprob" in grpo_graph(off_policy).roles
     assert "old_logprob" in grpo_graph(from_dict(Config, {"actor": {"ppo_epochs": 2}})).roles
-    assert "old_logprob" in grpo_graph(from_dict(Config, {"algorithm": {"kl_in_reward": True}})).roles
+    kl_in_reward = from_dict(Config, {"algorithm": {"kl_in_reward": True}})
+    assert "old_logprob" in grpo_graph(kl_in_reward).roles
     kept = from_dict(Config, {"actor": {"skip_on_policy_old_logprob": False}})
     assert "old_logprob" in grpo_graph(kept).roles
 
@@ -139,6 +141,7 @@ def test_planner_reshards_around_subset_node():
 
 
 def test_planner_rejects_bad_ranks():
-    graph = graph_from_dict({"nodes": [{"id": "gen", "role": "rollout", "options": {"ranks": [5]}}]})
+    graph = graph_from_dict({"nodes": [{"id": "gen", "role": "rollout",
+                                        "options": {"ranks": [5]}}]})
     with pytest.raises(GraphError, match="node 'gen': options.ranks"):
         make_plan(graph, ["gen"], world_size=2)

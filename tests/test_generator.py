@@ -1,13 +1,15 @@
-"""The built-in generator against transformers' generate and a plain forward pass."""
+"""Every rollout backend against transformers' generate and a plain forward pass, and the
+sampler they share."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dagrl.data.dataset import encode_prompt
 from dagrl.engines.forward import response_logprobs
-from dagrl.engines.generator import Generator
-from dagrl.engines.sampling import SamplingParams, filter_logits, mix_seed, uniform_draws
+from dagrl.rollout import BACKENDS, build_rollout
+from dagrl.rollout.sampling import SamplingParams, filter_logits, mix_seed, uniform_draws
 
 
 def left_padded(tokenizer, texts, width=12):
@@ -23,9 +25,14 @@ def left_padded(tokenizer, texts, width=12):
 PROMPTS = ["1+2=", "13+7=", "4+4=", "20+19=", "0+0="]
 
 
-def test_greedy_matches_transformers_generate(tiny_model, tokenizer):
-    gen = Generator(tiny_model, eos_token_id=tokenizer.eos_token_id,
-                    pad_token_id=tokenizer.pad_token_id)
+@pytest.fixture(params=sorted(BACKENDS))
+def backend(request):
+    return request.param
+
+
+def test_greedy_matches_transformers_generate(backend, tiny_model, tokenizer):
+    gen = build_rollout(backend, tiny_model, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
     ids, mask = left_padded(tokenizer, PROMPTS)
     ours = gen.generate(ids, mask, torch.zeros(len(PROMPTS), dtype=torch.long),
                         SamplingParams(temperature=0), max_new_tokens=10)
@@ -39,9 +46,9 @@ def test_greedy_matches_transformers_generate(tiny_model, tokenizer):
         assert n == len(hf) or hf[n - 1] == tokenizer.eos_token_id
 
 
-def test_sampled_logprobs_match_forward(tiny_model, tokenizer):
-    gen = Generator(tiny_model, eos_token_id=tokenizer.eos_token_id,
-                    pad_token_id=tokenizer.pad_token_id)
+def test_sampled_logprobs_match_forward(backend, tiny_model, tokenizer):
+    gen = build_rollout(backend, tiny_model, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
     ids, mask = left_padded(tokenizer, PROMPTS)
     seeds = mix_seed(0, 1, torch.arange(len(PROMPTS)), torch.zeros(len(PROMPTS), dtype=torch.long))
     out = gen.generate(ids, mask, seeds, SamplingParams(temperature=0.7), max_new_tokens=8)
@@ -51,10 +58,10 @@ def test_sampled_logprobs_match_forward(tiny_model, tokenizer):
     torch.testing.assert_close(out.logprobs, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_sampling_is_per_sample_not_per_batch(tiny_model, tokenizer):
+def test_sampling_is_per_sample_not_per_batch(backend, tiny_model, tokenizer):
     """A sequence draws the same tokens alone or inside a larger batch."""
-    gen = Generator(tiny_model, eos_token_id=tokenizer.eos_token_id,
-                    pad_token_id=tokenizer.pad_token_id)
+    gen = build_rollout(backend, tiny_model, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
     ids, mask = left_padded(tokenizer, PROMPTS)
     seeds = mix_seed(7, 3, torch.arange(len(PROMPTS)), torch.zeros(len(PROMPTS), dtype=torch.long))
     params = SamplingParams(temperature=1.0, top_k=20, top_p=0.95)
@@ -66,9 +73,9 @@ def test_sampling_is_per_sample_not_per_batch(tiny_model, tokenizer):
     assert not torch.equal(other.responses, full.responses)
 
 
-def test_min_new_tokens_and_eos_masking(tiny_model, tokenizer):
-    gen = Generator(tiny_model, eos_token_id=tokenizer.eos_token_id,
-                    pad_token_id=tokenizer.pad_token_id)
+def test_min_new_tokens_and_eos_masking(backend, tiny_model, tokenizer):
+    gen = build_rollout(backend, tiny_model, eos_token_id=tokenizer.eos_token_id,
+                        pad_token_id=tokenizer.pad_token_id)
     ids, mask = left_padded(tokenizer, PROMPTS)
     out = gen.generate(ids, mask, torch.arange(len(PROMPTS)), SamplingParams(),
                        max_new_tokens=6, min_new_tokens=6)
@@ -79,20 +86,24 @@ def test_min_new_tokens_and_eos_masking(tiny_model, tokenizer):
 def test_draws_are_uniform_and_filters_work():
     u = uniform_draws(torch.arange(20000), start=0, count=3)
     assert u.dtype == torch.float64 and u.shape == (20000, 3)
-    assert 0 <= float(u.min()) and float(u.max()) < 1
+    assert float(u.min()) >= 0 and float(u.max()) < 1
     assert abs(float(u.mean()) - 0.5) < 0.01 and abs(float(u.var()) - 1 / 12) < 0.005
     # neighbouring positions and seeds are uncorrelated
     assert abs(float(torch.corrcoef(torch.stack([u[:, 0], u[:, 1]]))[0, 1])) < 0.03
     assert abs(float(torch.corrcoef(torch.stack([u[:-1, 0], u[1:, 0]]))[0, 1])) < 0.03
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.0]])
-    assert torch.isinf(filter_logits(logits, top_k=2, top_p=1.0)).tolist() == [[False, False, True, True]]
+
+    def dropped(top_k, top_p):
+        return torch.isinf(filter_logits(logits, top_k=top_k, top_p=top_p)).tolist()
+
+    assert dropped(2, 1.0) == [[False, False, True, True]]
     # softmax of [3,2,1,0] = [.644, .237, .087, .032]: the 0.8 nucleus keeps the first two
-    assert torch.isinf(filter_logits(logits, top_k=0, top_p=0.8)).tolist() == [[False, False, True, True]]
-    assert torch.isinf(filter_logits(logits, top_k=0, top_p=0.5)).tolist() == [[False, True, True, True]]
+    assert dropped(0, 0.8) == [[False, False, True, True]]
+    assert dropped(0, 0.5) == [[False, True, True, True]]
 
 
 def test_sampling_matches_softmax_distribution():
-    from dagrl.engines.sampling import sample_next_token
+    from dagrl.rollout.sampling import sample_next_token
 
     probs = torch.tensor([0.5, 0.3, 0.0, 0.15, 0.05])     # a zero-probability token in between
     logits = torch.log(probs).repeat(40000, 1)
@@ -112,7 +123,7 @@ def test_sampling_matches_softmax_distribution():
 def test_draws_are_the_documented_hash():
     """u = (hi >> 5) 2^-27 + (lo >> 6) 2^-53 with hi = h(seed ^ h(t + 1)), lo = h(hi ^ 0x5bd1e995),
     recomputed here with Python integers: the draws (and so every sample) must never drift."""
-    from dagrl.engines.sampling import _M32, _hash32
+    from dagrl.rollout.sampling import _M32, _hash32
 
     seeds = mix_seed(7, torch.arange(5))
     u = uniform_draws(seeds, 248, 4)                          # positions 248..251
@@ -126,7 +137,7 @@ def test_draws_are_the_documented_hash():
 
 def test_inverse_cdf_picks_the_documented_token():
     """The token is the first v whose running probability exceeds u (times the total)."""
-    from dagrl.engines.sampling import sample_next_token
+    from dagrl.rollout.sampling import sample_next_token
 
     logits = torch.log(torch.tensor([[0.25, 0.25, 0.5]] * 4))
     seeds = torch.arange(4)

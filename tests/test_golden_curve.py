@@ -47,7 +47,7 @@ def test_grpo_curve_matches_the_recorded_one(tmp_path):
     golden = json.loads(GOLDEN.read_text())
     assert golden["overrides"] == OVERRIDES, "the recorded curve is of another run: record it again"
     assert len(curve) == len(golden["curve"])
-    for step, (got, want) in enumerate(zip(curve, golden["curve"]), start=1):
+    for step, (got, want) in enumerate(zip(curve, golden["curve"], strict=True), start=1):
         for key in EXACT:
             assert got[key] == want[key], f"step {step} {key}: {got[key]} != recorded {want[key]}"
         for key in CLOSE:

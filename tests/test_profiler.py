@@ -32,7 +32,7 @@ NODES = ["rollout", "reward", "old_logprob", "ref_logprob", "advantage", "actor_
 
 
 def _profiled_worker(rank, world, overrides):
-    from dagrl.runtime.launch import run_worker_from_env
+    from dagrl.runtime.process import run_worker_from_env
 
     return run_worker_from_env(load_config(Config, None, overrides))
 

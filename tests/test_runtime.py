@@ -38,7 +38,7 @@ def one_worker_run(tmp_path_factory):
 
 def assert_same_run(ours, reference, rel=1e-4):
     assert [m["step"] for m in ours] == [m["step"] for m in reference]
-    for a, b in zip(ours, reference):
+    for a, b in zip(ours, reference, strict=True):
         for key in COMPARED:
             assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-6), (a["step"], key)
 
@@ -89,8 +89,8 @@ def test_ray_two_workers_match_and_a_failing_worker_stops_the_run(tmp_path, one_
                    "        raise RuntimeError('scorer crashed on rank 1')\n"
                    "    return 0.0\n")
     cfg = load_config(Config, None, [f"trainer.run_dir={tmp_path / 'fail'}", "trainer.n_workers=2",
-                                     "trainer.total_steps=3", f"reward.custom_fn={bad}:compute_score",
-                                     *FAST])
+                                     "trainer.total_steps=3",
+                                     f"reward.custom_fn={bad}:compute_score", *FAST])
     start = time.monotonic()
     with pytest.raises(WorkerFailed) as err:
         launch(cfg)

@@ -44,7 +44,7 @@ def test_seeded_grpo_run_reward_rises_and_logs(tmp_path):
 def test_run_is_reproducible(tmp_path):
     a, _ = run(tmp_path, "trainer.total_steps=3", name="a")
     b, _ = run(tmp_path, "trainer.total_steps=3", name="b")
-    for ma, mb in zip(a, b):
+    for ma, mb in zip(a, b, strict=True):
         for key in ("reward/mean", "actor/pg_loss", "actor/grad_norm", "actor/kl"):
             assert ma[key] == mb[key], key
 
@@ -54,7 +54,7 @@ def test_skipping_the_on_policy_old_logprob_pass_changes_nothing(tmp_path):
     kept, _ = run(tmp_path, "trainer.total_steps=3", "actor.skip_on_policy_old_logprob=false",
                   name="keep")
     assert "timing/old_logprob_s" in kept[0] and "timing/old_logprob_s" not in skipped[0]
-    for ms, mk in zip(skipped, kept):
+    for ms, mk in zip(skipped, kept, strict=True):
         assert ms["reward/mean"] == mk["reward/mean"]
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy"):
             assert ms[key] == pytest.approx(mk[key], rel=1e-4, abs=1e-7), key
@@ -66,7 +66,7 @@ def test_compiled_layers_train_like_eager_ones(tmp_path):
                             "algorithm.kl_loss_coef=0.001", name="compiled")
     reference, _ = run(tmp_path, "trainer.total_steps=2", "algorithm.kl_loss_coef=0.001",
                        name="reference")
-    for mc, me in zip(compiled, reference):
+    for mc, me in zip(compiled, reference, strict=True):
         assert mc["reward/mean"] == me["reward/mean"]
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl"):
             assert mc[key] == pytest.approx(me[key], rel=1e-4, abs=1e-6), key
@@ -88,16 +88,17 @@ nodes:
 
 
 def test_generator_follows_the_actor(tmp_path):
-    from dagrl.runtime.launch import prepare_run
+    from dagrl.runtime.run_dir import prepare_run
     from dagrl.runtime.worker import Worker
 
     cfg = prepare_run(load_config(Config, None, [f"trainer.run_dir={tmp_path / 'w'}", *FAST,
                                                  "trainer.total_steps=2"]))
     worker = Worker(cfg)
     worker.train()
-    actor, gen = worker.engines.actor, worker.engines.generator
+    actor, gen = worker.engines.actor, worker.engines.rollout
     assert actor.version == 2 and gen.weights_version == 2   # synced after every update
-    for (name, p), (_, q) in zip(actor.model.named_parameters(), gen.model.named_parameters()):
+    for (name, p), (_, q) in zip(actor.model.named_parameters(), gen.model.named_parameters(),
+                                 strict=True):
         assert torch.equal(p, q), name
 
 
@@ -112,7 +113,8 @@ def test_raising_reward_names_the_sample(tmp_path):
 
 def test_counted_reward_failures_are_reported(tmp_path):
     flaky = tmp_path / "flaky.py"
-    flaky.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    flaky.write_text("def compute_score(data_source, solution_str, ground_truth,"
+                     " extra_info=None):\n"
                      "    if extra_info['a'] % 2:\n"
                      "        raise ValueError('odd')\n"
                      "    return 1.0\n")

@@ -45,7 +45,7 @@ def _gather(rank, world, model_dir, bucket_bytes):
 def test_bucketed_gather_equals_full_tensor_with_uneven_shards(tiny_model_dir, bucket_bytes):
     # 3 ranks: 64 rows shard as 22/22/20, the 48-token vocabulary as 16/16/16.
     results = run_distributed(_gather, 3, str(tiny_model_dir), bucket_bytes)
-    for mismatched, collectives, n_params, names in results:
+    for mismatched, collectives, n_params, _names in results:
         assert mismatched == []
         assert collectives < n_params                 # fewer collectives than parameters
         if bucket_bytes == 2**30:

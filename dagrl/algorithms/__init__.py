@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dagrl.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
+    AdvantageInputs,
     compute_cpgd_advantages,
     compute_gae_advantages,
     compute_grpo_advantages,
@@ -24,6 +25,7 @@ from dagrl.algorithms.loss_agg import LOSS_AGG_MODES, agg_denominator, agg_loss
 from dagrl.algorithms.policy_loss import (
     CPGD_DRIFT_CLIP,
     POLICY_LOSSES,
+    PolicyLossParams,
     cpgd_policy_loss,
     gspo_policy_loss,
     vanilla_policy_loss,
@@ -47,6 +49,8 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "AdvantageInputs",
+    "PolicyLossParams",
     "AdaptiveKLController",
     "FixedKLController",
     "Reducer",

@@ -1,18 +1,8 @@
 """Advantage estimators, looked up by name from ``ADVANTAGE_ESTIMATORS``.
 
-Every estimator returns ``(advantages [B, T], returns [B, T])``, both zero outside
-``response_mask``, and takes ``token_level_rewards`` [B, T] and ``response_mask`` [B, T] plus
-those of these keyword arguments that it names (the caller inspects the signature and passes
-only those, so each estimator declares exactly what it uses):
-
-    group_index [B]      each sample's prompt group as a dense integer id (samples of one
-                         prompt share an id; a group's samples need not be adjacent)
-    values [B, T]        critic values V(s_t)
-    baseline_scores [B]  a per-sample baseline score (ReMax: the greedy response's reward)
-    reducer              sums a tensor across workers (see ``utils.Reducer``); estimators that
-                         whiten over the global batch take it, None means one process
-    gamma, lam           discount and GAE λ
-    norm_by_std, eps     group-std normalisation switch and its epsilon
+Every estimator takes one ``AdvantageInputs`` and returns ``(advantages [B, T], returns
+[B, T])``, both zero outside ``response_mask``. It reads the fields its equation uses;
+``AdvantageInputs.need`` names a missing one (and the graph node that computes it).
 
 The sequence score is ``token_level_rewards.sum(-1)``. Group statistics are computed from the
 local shard, so all samples of one prompt must sit on the same worker; batch-level statistics
@@ -21,7 +11,8 @@ local shard, so all samples of one prompt must sit on the same worker; batch-lev
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -29,7 +20,36 @@ from torch import Tensor
 from dagrl.algorithms.utils import Reducer, global_masked_whiten
 from dagrl.registry import Registry
 
-AdvantageEstimator = Callable[..., tuple[Tensor, Tensor]]
+
+@dataclass
+class AdvantageInputs:
+    """Everything an estimator may read. Shapes for a shard of B samples, T response columns."""
+    token_level_rewards: Tensor                # [B, T] the reward of each response token
+    response_mask: Tensor                      # [B, T] 1 on response tokens
+    group_index: Tensor | None = None          # [B] dense prompt-group id (samples of one
+                                               #     prompt share it; they need not be adjacent)
+    values: Tensor | None = None               # [B, T] critic values V(s_t)
+    baseline_scores: Tensor | None = None      # [B] per-sample baseline (ReMax: greedy reward)
+    reducer: Reducer | None = None             # sums over workers; None = one process
+    gamma: float = 1.0                         # discount
+    lam: float = 1.0                           # GAE λ
+    norm_by_std: bool = True                   # GRPO/CPGD: divide by the group std
+    eps: float = 1e-6                          # ... plus this
+
+    # The graph node that puts each optional input into the batch.
+    PRODUCERS = {"group_index": "rollout (the uid of each sample)", "values": "values",
+                 "baseline_scores": "greedy_baseline"}
+
+    def need(self, name: str) -> Tensor:
+        """The optional input `name`; a KeyError naming the node to add when it is absent."""
+        value = getattr(self, name)
+        if value is None:
+            raise KeyError(f"this advantage estimator needs {name!r}; add the node that "
+                           f"computes it ({self.PRODUCERS[name]}) before the advantage node")
+        return value
+
+
+AdvantageEstimator = Callable[[AdvantageInputs], tuple[Tensor, Tensor]]
 
 ADVANTAGE_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 
@@ -82,21 +102,17 @@ def group_mean_std(scores: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor]
 
 @ADVANTAGE_ESTIMATORS.register("grpo")
 @torch.no_grad()
-def compute_grpo_advantages(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    group_index: Tensor,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[Tensor, Tensor]:
+def compute_grpo_advantages(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """GRPO group-relative advantage, broadcast over the response tokens.
 
-    A_i = (r_i − mean(r_group)) / (std(r_group) + eps)   with the unbiased std (``norm_by_std``)
-    A_i =  r_i − mean(r_group)                            (Dr.GRPO, ``norm_by_std=False``)
+    A_i = (r_i − mean(r_group)) / (std(r_group) + eps)   with the unbiased std (``x.norm_by_std``)
+    A_i =  r_i − mean(r_group)                            (Dr.GRPO, ``x.norm_by_std=False``)
 
     r_i = Σ_t token_level_rewards[i, t]. A group of one sample uses mean 0 and std 1, so A_i = r_i
     (see ``group_mean_std``). Returns (advantages, returns), both [B, T] and equal.
     """
+    token_level_rewards, response_mask = x.token_level_rewards, x.response_mask
+    group_index, norm_by_std, eps = x.need("group_index"), x.norm_by_std, x.eps
     _check_inputs(token_level_rewards, response_mask, group_index)
     scores = token_level_rewards.sum(-1)  # [B]
     mean, std = group_mean_std(scores, group_index)
@@ -129,11 +145,7 @@ def _check_gamma_lam(gamma: float, lam: float = 1.0) -> None:
 
 @ADVANTAGE_ESTIMATORS.register("rloo")
 @torch.no_grad()
-def compute_rloo_advantages(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    group_index: Tensor,
-) -> tuple[Tensor, Tensor]:
+def compute_rloo_advantages(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """RLOO leave-one-out baseline (Ahmadian et al. 2024, "Back to Basics").
 
     A_i = r_i − (Σ_{j∈g, j≠i} r_j) / (n_g − 1)
@@ -143,6 +155,8 @@ def compute_rloo_advantages(
     the advantages of a group sum to zero. A group of one sample has no other sample to form a
     baseline, so it gets A_i = r_i. Returns (advantages, returns), both [B, T] and equal.
     """
+    token_level_rewards, response_mask = x.token_level_rewards, x.response_mask
+    group_index = x.need("group_index")
     _check_inputs(token_level_rewards, response_mask, group_index)
     scores = token_level_rewards.sum(-1)  # [B]
     index = group_index.long()
@@ -158,19 +172,16 @@ def compute_rloo_advantages(
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus")
 @torch.no_grad()
-def compute_reinforce_plus_plus_advantages(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    reducer: Reducer | None = None,
-    gamma: float = 1.0,
-) -> tuple[Tensor, Tensor]:
+def compute_reinforce_plus_plus_advantages(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025, "REINFORCE++: An Efficient RLHF Algorithm ..."): whitened returns.
 
     G_t = Σ_{k≥t} γ^{k−t} r_k                   (r may carry a per-token −β·KL penalty)
     A_t = (G_t − μ_G) / sqrt(σ²_G + 1e-8)       μ, σ² over every response token of the
-                                                global batch (``reducer``), not per prompt
+                                                global batch (``x.reducer``), not per prompt
     Returns (A, G).
     """
+    token_level_rewards, response_mask = x.token_level_rewards, x.response_mask
+    reducer, gamma = x.reducer, x.gamma
     _check_token_inputs(token_level_rewards, response_mask)
     _check_gamma_lam(gamma)
     returns = _reward_to_go(token_level_rewards, response_mask, gamma)  # [B, T]
@@ -180,12 +191,7 @@ def compute_reinforce_plus_plus_advantages(
 
 @ADVANTAGE_ESTIMATORS.register("reinforce_plus_plus_baseline")
 @torch.no_grad()
-def compute_reinforce_plus_plus_baseline_advantages(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    group_index: Tensor,
-    reducer: Reducer | None = None,
-) -> tuple[Tensor, Tensor]:
+def compute_reinforce_plus_plus_baseline_advantages(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """REINFORCE++-baseline (Hu 2025): group-mean baseline, then global whitening.
 
     s_i   = Σ_t r_{i,t}                     (a per-token KL penalty in r enters through this sum)
@@ -197,6 +203,8 @@ def compute_reinforce_plus_plus_baseline_advantages(
     restores a unit scale. A group of one sample uses mean 0 (see ``group_mean_std``).
     Returns (advantages, returns), both [B, T] and equal.
     """
+    token_level_rewards, response_mask = x.token_level_rewards, x.response_mask
+    group_index, reducer = x.need("group_index"), x.reducer
     _check_inputs(token_level_rewards, response_mask, group_index)
     scores = token_level_rewards.sum(-1)  # [B]
     mean, _ = group_mean_std(scores, group_index)
@@ -207,19 +215,17 @@ def compute_reinforce_plus_plus_baseline_advantages(
 
 @ADVANTAGE_ESTIMATORS.register("remax")
 @torch.no_grad()
-def compute_remax_advantages(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    baseline_scores: Tensor,
-) -> tuple[Tensor, Tensor]:
+def compute_remax_advantages(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """ReMax (Li et al. 2023, "ReMax: A Simple, Effective, and Efficient RL Method for LLMs").
 
     G_t = Σ_{k≥t} r_k,   A_t = G_t − b_i
 
-    b_i = ``baseline_scores[i]``, the reward of the greedy response to sample i's prompt: a
+    b_i = ``x.baseline_scores[i]``, the reward of the greedy response to sample i's prompt: a
     baseline that depends only on the prompt, so the gradient stays unbiased. No normalisation.
     Returns (A, G).
     """
+    token_level_rewards, response_mask = x.token_level_rewards, x.response_mask
+    baseline_scores = x.need("baseline_scores")
     _check_token_inputs(token_level_rewards, response_mask)
     if baseline_scores.shape != (token_level_rewards.shape[0],):
         raise ValueError(
@@ -234,14 +240,7 @@ def compute_remax_advantages(
 
 @ADVANTAGE_ESTIMATORS.register("gae")
 @torch.no_grad()
-def compute_gae_advantages(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    values: Tensor,
-    reducer: Reducer | None = None,
-    gamma: float = 1.0,
-    lam: float = 1.0,
-) -> tuple[Tensor, Tensor]:
+def compute_gae_advantages(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """Generalized Advantage Estimation (Schulman et al. 2016, eq. 16), whitened.
 
     δ_t = r_t + γ·V_{t+1} − V_t             V after the last response token = 0
@@ -249,10 +248,12 @@ def compute_gae_advantages(
     R_t = Â_t + V_t                          (the value target, not whitened)
     A_t = (Â_t − μ) / sqrt(σ² + 1e-8)        μ, σ² over every response token of the global batch
 
-    ``response_mask`` must be right-padded (each row a prefix of ones): masking V to 0 on the
+    ``x.response_mask`` must be right-padded (each row a prefix of ones): masking V to 0 on the
     padding then makes V_{t+1} = 0 after the last token and δ = Â = 0 on the padding.
     Returns (A, R).
     """
+    token_level_rewards, response_mask = x.token_level_rewards, x.response_mask
+    values, reducer, gamma, lam = x.need("values"), x.reducer, x.gamma, x.lam
     _check_token_inputs(token_level_rewards, response_mask)
     if values.shape != token_level_rewards.shape:
         raise ValueError(
@@ -280,13 +281,7 @@ def compute_gae_advantages(
 
 @ADVANTAGE_ESTIMATORS.register("cpgd")
 @torch.no_grad()
-def compute_cpgd_advantages(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    group_index: Tensor,
-    norm_by_std: bool = True,
-    eps: float = 1e-6,
-) -> tuple[Tensor, Tensor]:
+def compute_cpgd_advantages(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     """CPGD weighted advantage (Liu et al. 2025, "CPGD: Toward Stable Rule-based RL for LMs").
 
     A_ω(x, y_k) = ω(x) · (R(x, y_k) − mean_{k'} R(x, y_k'))         (Sec. 4.3, under eq. 2)
@@ -302,6 +297,8 @@ def compute_cpgd_advantages(
     batch-level count and a constant no config passes, so it is not offered here.
     Returns (advantages, returns), both [B, T] and equal.
     """
+    token_level_rewards, response_mask = x.token_level_rewards, x.response_mask
+    group_index, norm_by_std, eps = x.need("group_index"), x.norm_by_std, x.eps
     _check_inputs(token_level_rewards, response_mask, group_index)
     scores = token_level_rewards.sum(-1)  # [B]
     mean, std = group_mean_std(scores, group_index)

@@ -7,7 +7,7 @@ expectation under π estimates KL(π ‖ π_ref). The names follow John Schulman
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

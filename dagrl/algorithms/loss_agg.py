@@ -9,8 +9,8 @@ micro-batch losses (and their gradients) add up exactly to the full-batch loss.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from torch import Tensor
 

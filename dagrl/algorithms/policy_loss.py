@@ -2,11 +2,10 @@
 
 Every loss has the signature::
 
-    fn(logprobs [B, T], old_logprobs [B, T], advantages [B, T], response_mask [B, T], *,
-       clip_ratio_low, clip_ratio_high, clip_ratio_c) -> (loss_mat [B, T], stats)
+    fn(logprobs [B, T], old_logprobs [B, T], advantages [B, T], response_mask [B, T],
+       params: PolicyLossParams) -> (loss_mat [B, T], stats)
 
-A loss may add keyword-only options with defaults (CPGD's ``drift_coef``); the caller passes
-them from the config when present.
+and reads from ``params`` the settings its equation uses.
 
 ``loss_mat`` is the per-token loss (zero outside the mask); reducing it to a scalar is the job of
 ``dagrl.algorithms.loss_agg.agg_loss``. ``stats`` maps names to detached per-token [B, T] tensors
@@ -16,14 +15,26 @@ them from the config when present.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from dagrl.registry import Registry
 
-PolicyLoss = Callable[..., tuple[Tensor, dict[str, Tensor]]]
+
+@dataclass(frozen=True)
+class PolicyLossParams:
+    """The settings of the policy losses (``algorithm.*`` of the same names)."""
+    clip_ratio_low: float = 0.2     # ε_low:  the ratio is clipped below at 1 − ε_low
+    clip_ratio_high: float = 0.2    # ε_high: ... and above at 1 + ε_high (DAPO's clip-higher)
+    clip_ratio_c: float = 3.0       # the dual-clip bound c of the vanilla loss
+    drift_coef: float = 0.01        # CPGD's policy-drift weight α
+
+
+PolicyLoss = Callable[[Tensor, Tensor, Tensor, Tensor, PolicyLossParams],
+                      tuple[Tensor, dict[str, Tensor]]]
 
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 
@@ -41,10 +52,7 @@ def vanilla_policy_loss(
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float,
+    params: PolicyLossParams,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate with asymmetric clip (DAPO clip-higher) and dual clip.
 
@@ -58,6 +66,8 @@ def vanilla_policy_loss(
     (the dual clip was active), ``ratio`` (r) and ``approx_kl`` (log π_old − log π, the k1 of
     the update).
     """
+    clip_ratio_low, clip_ratio_high = params.clip_ratio_low, params.clip_ratio_high
+    clip_ratio_c = params.clip_ratio_c
     if clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 for the dual clip, got {clip_ratio_c}")
     if clip_ratio_low < 0 or clip_ratio_high < 0:
@@ -108,10 +118,7 @@ def gspo_policy_loss(
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float,
+    params: PolicyLossParams,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """GSPO, token form (Zheng et al. 2025, "Group Sequence Policy Optimization", GSPO-token).
 
@@ -122,11 +129,12 @@ def gspo_policy_loss(
     The ratio is the geometric mean of the token ratios, so one clip decision covers the whole
     sequence; the π/sg[π] factor routes ∇ = s_i·∇log π(y_t) to every token. With A_i,t = A_i
     the gradient is GSPO's sequence-level one. GSPO's clip range is far narrower than PPO's
-    (3e-4 / 4e-4 in the paper) since it bounds a length-normalised ratio. ``clip_ratio_c`` is
-    accepted for the common signature and unused: GSPO has no dual clip.
+    (3e-4 / 4e-4 in the paper) since it bounds a length-normalised ratio. GSPO has no dual
+    clip.
     Stats: ``clip_frac`` (the clipped branch was taken), ``ratio`` (s_i,t), ``approx_kl``
     (log π_old − log π per token).
     """
+    clip_ratio_low, clip_ratio_high = params.clip_ratio_low, params.clip_ratio_high
     _check_clip_range(clip_ratio_low, clip_ratio_high)
     _check_shapes(
         logprobs=logprobs,
@@ -167,11 +175,7 @@ def cpgd_policy_loss(
     old_logprobs: Tensor,
     advantages: Tensor,
     response_mask: Tensor,
-    *,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
-    clip_ratio_c: float,
-    drift_coef: float = 0.01,
+    params: PolicyLossParams,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """CPGD per-token loss (Liu et al. 2025, "CPGD: Toward Stable Rule-based Reinforcement
     Learning for Language Models", Sec. 4.3, eq. 2), i.e. −(Φ_i − α·E_i):
@@ -186,12 +190,14 @@ def cpgd_policy_loss(
     KL(π_old ‖ π) penalty: ∇E = (r − 1)·∇ln π is the gradient of the k3 estimate r − 1 − ln r
     (eq. 5). Capping the *coefficient* at c = ``CPGD_DRIFT_CLIP`` (not the estimate) keeps a
     restoring gradient of c·∇ln π when the ratio runs away, and bounds it.
-    ``drift_coef`` = α; 0.01 is the default and the value of the CPGD scripts in the authors'
+    ``params.drift_coef`` = α; 0.01 is the default and the value of the CPGD scripts in the authors'
     repository (ModalMinds/MM-EUREKA, ``--policy_drift_coef``); siiRL's examples use 0.001.
-    ``clip_ratio_c`` is accepted for the common signature and unused (no dual clip).
+    There is no dual clip.
     Stats: ``clip_frac`` (the clipped branch of Φ was taken), ``ratio`` (r), ``approx_kl``
     (log π_old − log π, the k1 estimate of the drift).
     """
+    clip_ratio_low, clip_ratio_high = params.clip_ratio_low, params.clip_ratio_high
+    drift_coef = params.drift_coef
     _check_clip_range(clip_ratio_low, clip_ratio_high)
     if drift_coef < 0:
         raise ValueError(f"drift_coef must be >= 0, got {drift_coef}")

@@ -6,7 +6,7 @@ float or bool tensors broadcastable to the values; 1 marks a real token.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor

@@ -166,86 +166,94 @@ def _convert(tp: Any, value: Any, key: str) -> Any:
     if tp is Any:
         return value
     origin = typing.get_origin(tp)
-    args = typing.get_args(tp)
-
     if origin is Union or origin is types.UnionType:
-        if value is None:
-            if type(None) in args:
-                return None
-            raise _type_error(key, tp, value)
-        options = [a for a in args if a is not type(None)]
-        if len(options) == 1:
-            # Convert directly so a nested error keeps its precise message.
-            return _convert(options[0], value, key)
-        for option in options:
-            try:
-                return _convert(option, value, key)
-            except ConfigError:
-                continue
-        raise _type_error(key, tp, value)
-
+        return _convert_union(tp, value, key)
     if origin is Literal:
+        args = typing.get_args(tp)
         # Compare types as well: True == 1, but a bool is not the literal 1.
         if any(value == a and type(value) is type(a) for a in args):
             return value
         allowed = ", ".join(repr(a) for a in args)
         raise ConfigError(f"config key '{key}' must be one of {allowed}, got {_describe(value)}")
-
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(
                 f"config key '{key}' is a section and must be a mapping, got {_describe(value)}"
             )
         return from_dict(tp, value, path=key)
-
     base = origin or tp
     if base in (list, tuple):
-        if not isinstance(value, (list, tuple)):
-            raise _type_error(key, tp, value)
-        if base is list:
-            item_tp = args[0] if args else Any
-            return [_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
-        if not args or (len(args) == 2 and args[1] is Ellipsis):
-            item_tp = args[0] if args else Any
-            return tuple(_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value))
-        if len(value) != len(args):
-            raise ConfigError(
-                f"config key '{key}' must have {len(args)} items, got {len(value)}"
-            )
-        return tuple(_convert(t, v, f"{key}[{i}]") for i, (t, v) in enumerate(zip(args, value)))
-
+        return _convert_sequence(tp, value, key)
     if base is dict:
-        if args and args[0] is not str:
-            raise TypeError(f"config key '{key}': only dict[str, X] is supported, got {tp}")
-        if not isinstance(value, Mapping):
-            raise _type_error(key, tp, value)
-        value_tp = args[1] if args else Any
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise ConfigError(f"config key '{key}' must have string keys, got {_describe(k)}")
-            out[k] = _convert(value_tp, v, f"{key}.{k}")
-        return out
+        return _convert_mapping(tp, value, key)
+    return _convert_scalar(tp, value, key)
 
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
+
+def _convert_union(tp: Any, value: Any, key: str) -> Any:
+    args = typing.get_args(tp)
+    if value is None:
+        if type(None) in args:
+            return None
         raise _type_error(key, tp, value)
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
+    options = [a for a in args if a is not type(None)]
+    if len(options) == 1:
+        # Convert directly so a nested error keeps its precise message.
+        return _convert(options[0], value, key)
+    for option in options:
+        try:
+            return _convert(option, value, key)
+        except ConfigError:
+            continue
+    raise _type_error(key, tp, value)
+
+
+def _convert_sequence(tp: Any, value: Any, key: str) -> list | tuple:
+    """list[X], tuple[X, ...] and fixed tuple[X, Y] annotations."""
+    args = typing.get_args(tp)
+    if not isinstance(value, (list, tuple)):
         raise _type_error(key, tp, value)
+    if (typing.get_origin(tp) or tp) is list:
+        item_tp = args[0] if args else Any
+        return [_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if not args or (len(args) == 2 and args[1] is Ellipsis):
+        item_tp = args[0] if args else Any
+        return tuple(_convert(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value))
+    if len(value) != len(args):
+        raise ConfigError(f"config key '{key}' must have {len(args)} items, got {len(value)}")
+    return tuple(_convert(t, v, f"{key}[{i}]")
+                 for i, (t, v) in enumerate(zip(args, value, strict=True)))
+
+
+def _convert_mapping(tp: Any, value: Any, key: str) -> dict:
+    args = typing.get_args(tp)
+    if args and args[0] is not str:
+        raise TypeError(f"config key '{key}': only dict[str, X] is supported, got {tp}")
+    if not isinstance(value, Mapping):
+        raise _type_error(key, tp, value)
+    value_tp = args[1] if args else Any
+    out = {}
+    for k, v in value.items():
+        if not isinstance(k, str):
+            raise ConfigError(f"config key '{key}' must have string keys, got {_describe(k)}")
+        out[k] = _convert(value_tp, v, f"{key}.{k}")
+    return out
+
+
+def _convert_scalar(tp: Any, value: Any, key: str) -> Any:
+    """bool, int, float (also from an int or a '1e-3' string) and str: no silent coercion."""
+    is_int = isinstance(value, int) and not isinstance(value, bool)
+    if tp is bool and isinstance(value, bool):
+        return value
+    if tp is int and is_int:
+        return value
     if tp is float:
         if isinstance(value, float):
             return value
-        if isinstance(value, int) and not isinstance(value, bool):
+        if is_int or (isinstance(value, str) and _SCI_FLOAT.match(value)):
             return float(value)
-        if isinstance(value, str) and _SCI_FLOAT.match(value):
-            return float(value)
-        raise _type_error(key, tp, value)
-    if tp is str:
-        if isinstance(value, str):
-            return value
+    if tp is str and isinstance(value, str):
+        return value
+    if tp in (bool, int, float, str):
         raise _type_error(key, tp, value)
     raise TypeError(f"config key '{key}' has an unsupported annotation: {tp!r}")
 

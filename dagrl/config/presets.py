@@ -7,8 +7,8 @@ Each preset sets only what its paper prescribes and differs from the GRPO defaul
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from dagrl.config.loader import ConfigError, from_dict, load_user_dict, merge
 from dagrl.config.schema import Config
@@ -22,7 +22,8 @@ PRESETS: dict[str, dict] = {
     # Dr.GRPO (Liu et al. 2025): no std normalisation, no length normalisation, no KL.
     "drgrpo": {"algorithm": {"norm_adv_by_std": False, "kl_loss_coef": 0.0,
                              "loss_agg_mode": "seq-mean-token-sum-norm"}},
-    # DAPO (Yu et al. 2025): clip-higher, token-level loss, dynamic sampling, overlong shaping, no KL.
+    # DAPO (Yu et al. 2025): clip-higher, token-level loss, dynamic sampling, overlong shaping,
+    # no KL.
     "dapo": {"algorithm": {"clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "kl_loss_coef": 0.0,
                            "loss_agg_mode": "token-mean"},
              "reward": {"overlong_buffer_len": 2, "overlong_penalty_factor": 0.5}},

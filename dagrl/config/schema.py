@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dagrl.config.loader import ConfigError
+from dagrl.device import DeviceChoice
 
 
 def _check(cond: bool, message: str) -> None:
@@ -87,6 +88,10 @@ class RolloutConfig:
     # Validation: samples per prompt (n > 1 adds pass@n and maj@n) and their temperature.
     val_n: int = 1
     val_temperature: float = 0.0
+    # The generation backend (dagrl/rollout/): `native`, dagrl's decoder for Llama / Qwen2
+    # models; `hf`, the model's own HF forward (any causal LM); `auto`, native when it supports
+    # the model, else hf.
+    backend: Literal["auto", "native", "hf"] = "auto"
 
     def __post_init__(self) -> None:
         _check(self.n > 0, "n must be > 0")
@@ -102,12 +107,25 @@ class RolloutConfig:
 
 
 @dataclass
-class ActorConfig:
+class OptimConfig:
+    """AdamW with linear warmup and gradient clipping: the fields actor and critic share."""
     lr: float = 3e-3
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
     warmup_steps: int = 0           # linear warmup of the learning rate, in optimizer steps
     grad_clip: float = 1.0          # max global grad norm; 0 disables clipping
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, "lr must be > 0")
+        _check(self.weight_decay >= 0, "weight_decay must be >= 0")
+        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+               "betas must be two numbers in [0, 1)")
+        _check(self.grad_clip >= 0, "grad_clip must be >= 0 (0 disables it)")
+        _check(self.warmup_steps >= 0, "warmup_steps must be >= 0")
+
+
+@dataclass
+class ActorConfig(OptimConfig):
     # Prompts per optimizer step, summed over workers (verl's ppo_mini_batch_size): a step's
     # batch of train_batch_size prompts gives train_batch_size / mini_batch_size updates.
     mini_batch_size: int = 32
@@ -127,32 +145,24 @@ class ActorConfig:
     compile: bool = False
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, "lr must be > 0")
-        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-               "betas must be two numbers in [0, 1)")
-        _check(self.grad_clip >= 0, "grad_clip must be >= 0 (0 disables it)")
+        super().__post_init__()
         _check(self.mini_batch_size > 0, "mini_batch_size must be > 0")
         _check(self.micro_batch_size > 0, "micro_batch_size must be > 0")
         _check(self.ppo_epochs > 0, "ppo_epochs must be > 0")
-        _check(self.warmup_steps >= 0, "warmup_steps must be >= 0")
 
 
 @dataclass
-class CriticConfig:
-    """The value model (PPO). Built only when the graph has a values or critic_update node."""
+class CriticConfig(OptimConfig):
+    """The value model (PPO). Built only when the graph has a values or critic_update node.
+    It steps on the actor's mini-batches (actor.mini_batch_size)."""
     # Empty: initialised from model.path (the actor's checkpoint) with a new scalar head.
     path: str = ""
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
-    warmup_steps: int = 0
-    grad_clip: float = 1.0
     micro_batch_size: int = 64
     ppo_epochs: int = 1
     cliprange_value: float = 0.5    # PPO2 value clipping around the old values
 
     def __post_init__(self) -> None:
-        _check(self.lr > 0, "lr must be > 0")
+        super().__post_init__()
         _check(self.micro_batch_size > 0, "micro_batch_size must be > 0")
         _check(self.ppo_epochs > 0, "ppo_epochs must be > 0")
         _check(self.cliprange_value > 0, "cliprange_value must be > 0")
@@ -247,12 +257,12 @@ class TrainerConfig:
     n_workers: int = 1
     # Where metrics.jsonl, config.yaml and built-in artefacts go. Empty: runs/<algorithm>-<time>.
     run_dir: str = ""
-    device: Literal["auto", "cpu", "cuda", "npu"] = "auto"
+    device: DeviceChoice = "auto"
     # torch intra-op threads per worker; 0 leaves torch's default.
     torch_threads: int = 0
-    # glibc malloc keeps freed memory for reuse instead of handing it back to the OS, so each
-    # step reuses the last step's pages (-10% update time on the CPU e2e benchmark; the
-    # process keeps its peak heap). See runtime/host_memory.py.
+    # CPU workers: glibc malloc keeps freed memory for reuse instead of handing it back to the
+    # OS, so each step reuses the last step's pages (-10% update time on the CPU e2e benchmark;
+    # the process keeps its peak heap). See engines/host_memory.py. No effect on accelerators.
     keep_freed_memory: bool = True
     # Validation every this many steps (and after the last); 0 disables. Needs data.val_files.
     val_every: int = 0
@@ -356,3 +366,9 @@ class Config:
                f"({self.trainer.total_steps})")
         _check(not p.enable or all(r < self.trainer.n_workers for r in p.ranks),
                f"profiler.ranks {p.ranks} must be < trainer.n_workers ({self.trainer.n_workers})")
+
+    @property
+    def mini_batch_samples_per_rank(self) -> int:
+        """Samples per optimizer step on each worker: actor.mini_batch_size counts prompts over
+        all workers, each with rollout.n samples (actor and critic step on the same ones)."""
+        return self.actor.mini_batch_size * self.rollout.n // self.trainer.n_workers

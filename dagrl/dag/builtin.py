@@ -4,7 +4,7 @@
 All are variations of one policy-gradient graph:
 
     [greedy_baseline] -> rollout -> reward -> [filter] -> [old_logprob], [ref_logprob], [values]
-                      -> advantage -> actor_update, [critic_update]
+                      -> [kl_penalty] -> advantage -> actor_update, [critic_update]
 
 A graph function receives the config because a node's presence can depend on it: the
 reference model is only built (and its node only planned) when a KL term uses it.
@@ -12,7 +12,7 @@ reference model is only built (and its node only planned) when a KL term uses it
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from dagrl.config.schema import Config
 from dagrl.dag.spec import GraphSpec, NodeSpec
@@ -59,6 +59,9 @@ def policy_graph(name: str, cfg: Config, *, greedy_baseline: bool = False,
     if critic:
         nodes.append(NodeSpec("values", "values", (source,)))
         forward.append("values")
+    if cfg.algorithm.kl_in_reward:   # r = score - beta * KL(pi_old || pi_ref), per token
+        nodes.append(NodeSpec("kl_penalty", "kl_penalty", (source, *forward)))
+        forward = ["kl_penalty", *(f for f in forward if f == "values")]
     nodes.append(NodeSpec("advantage", "advantage", (source, *forward)))
     nodes.append(NodeSpec("actor_update", "actor_update", ("advantage",)))
     if critic:

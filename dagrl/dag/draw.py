@@ -8,6 +8,7 @@ list is drawn as a column beside the graph.
 
 from __future__ import annotations
 
+import itertools
 from html import escape
 
 from dagrl.dag.planner import RankPlan, Task
@@ -53,10 +54,10 @@ def to_dot(graph: GraphSpec, order: list[str], plans: list[RankPlan]) -> str:
     for plan in plans:
         lines.append(f"  subgraph cluster_rank{plan.rank} {{ label={q(f'rank {plan.rank}')};")
         ids = [f"r{plan.rank}:{i}" for i in range(len(plan.tasks))]
-        for i, (tid, task) in enumerate(zip(ids, plan.tasks), 1):
+        for i, (tid, task) in enumerate(zip(ids, plan.tasks, strict=True), 1):
             lines.append(f"    {q(tid)} [label={q(f'{i}. {task.describe()}')}, "
                          f"fillcolor={q(_task_colour(task))}];")
-        for a, b in zip(ids, ids[1:]):
+        for a, b in itertools.pairwise(ids):
             lines.append(f"    {q(a)} -> {q(b)} [style=dashed];")
         lines.append("  }")
     lines.append("}")
@@ -124,7 +125,7 @@ def to_svg(graph: GraphSpec, order: list[str], plans: list[RankPlan]) -> str:
         col_w = CHAR_W * max(map(len, texts), default=10) + 20
         parts.append(_text(x, 20, f"rank {plan.rank}", bold=True))
         y = title_h + PAD
-        for task, text in zip(plan.tasks, texts):
+        for task, text in zip(plan.tasks, texts, strict=True):
             parts.append(_box(x, y, col_w, _task_colour(task), text, rounded=task.kind == "node"))
             y += BOX_H + 6
         plan_h = max(plan_h, y)

@@ -15,9 +15,10 @@ returns the execution order; its errors name the nodes at fault.
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
 import yaml
 
@@ -112,7 +113,8 @@ def validate_graph(graph: GraphSpec, roles: Registry | Iterable[str]) -> list[st
     for n in graph.nodes:
         if n.role not in roles:
             hint = roles.unknown_message(n.role) if isinstance(roles, Registry) else ""
-            raise GraphError(f"graph {graph.name!r}: node {n.id!r} has an {hint or 'unknown role ' + repr(n.role)}")
+            what = hint or f"unknown role {n.role!r}"
+            raise GraphError(f"graph {graph.name!r}: node {n.id!r} has an {what}")
     return topological_order(graph)
 
 

@@ -14,7 +14,8 @@ Non-tensor *elements* (dicts, lists) are never deep-copied; only the arrays hold
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -132,6 +133,14 @@ class Batch:
         if key in self._td.keys():
             return self._td[key]
         raise KeyError(f"no field '{key}' in batch; keys are {self.keys()}")
+
+    def get(self, key: str,
+            default: Tensor | np.ndarray | None = None) -> Tensor | np.ndarray | None:
+        """The field `key`, or `default` when the batch has none."""
+        try:
+            return self[key]
+        except KeyError:
+            return default
 
     def __setitem__(self, key: str, value: Tensor | Sequence | np.ndarray) -> None:
         if not isinstance(key, str):

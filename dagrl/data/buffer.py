@@ -20,13 +20,14 @@ never split across ranks, so per-group statistics (GRPO) stay local.
 from __future__ import annotations
 
 import pickle
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from dagrl.data.batch import Batch
+from dagrl.device import HOST
 
 GROUP_KEY = "uid"
 _ALIGN = 8   # bytes: the largest element size we ship (int64 / float64)
@@ -55,7 +56,8 @@ def _field_nbytes(n: int, dtype: torch.dtype, trailing: tuple[int, ...]) -> int:
 
 def _chunk_header(batch: Batch, rows: np.ndarray, schema) -> bytes:
     header = pickle.dumps({"n": len(rows),
-                           "schema": [(k, str(d).removeprefix("torch."), tr) for k, d, tr in schema],
+                           "schema": [(k, str(d).removeprefix("torch."), tr)
+                                      for k, d, tr in schema],
                            "non_tensors": {k: v[rows] for k, v in batch.non_tensors.items()}},
                           protocol=pickle.HIGHEST_PROTOCOL)
     return header + bytes(_padding(len(header)))
@@ -81,7 +83,7 @@ def _write_chunk(out: torch.Tensor, batch: Batch, rows: torch.Tensor, header: by
         offset += size
 
 
-def pack(batch: Batch, device: torch.device | str = "cpu") -> torch.Tensor:
+def pack(batch: Batch, device: torch.device | str = HOST) -> torch.Tensor:
     """The whole batch as one chunk (see the layout above)."""
     schema = _schema(batch)
     rows = np.arange(len(batch))
@@ -91,7 +93,7 @@ def pack(batch: Batch, device: torch.device | str = "cpu") -> torch.Tensor:
     return out
 
 
-def unpack(buf: torch.Tensor, device: torch.device | str = "cpu", *, copy: bool = True) -> Batch:
+def unpack(buf: torch.Tensor, device: torch.device | str = HOST, *, copy: bool = True) -> Batch:
     """A chunk back into a Batch; with copy=False its tensors are views into `buf`."""
     head_len = int.from_bytes(bytes(buf[:8].cpu().tolist()), "little")
     header = pickle.loads(buf[8:8 + head_len].cpu().numpy().tobytes())
@@ -99,7 +101,8 @@ def unpack(buf: torch.Tensor, device: torch.device | str = "cpu", *, copy: bool 
     for key, dtype_name, trailing in header["schema"]:
         dtype = getattr(torch, dtype_name)
         size = _field_nbytes(n, dtype, tuple(trailing))
-        raw = n * int(np.prod(trailing, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        raw = n * int(np.prod(trailing, dtype=np.int64)) * itemsize
         view = buf[offset:offset + raw].to(device).view(dtype).view(n, *trailing)
         tensors[key] = view.clone() if copy else view
         offset += size
@@ -175,8 +178,9 @@ def _all_to_all_bytes(send: torch.Tensor, send_sizes: list[int], group: dist.Pro
     return list(received)
 
 
-def exchange(batch: Batch, dest: torch.Tensor | Sequence[int], group: dist.ProcessGroup | None = None,
-             *, device: torch.device | str = "cpu", use_p2p: bool = False) -> Batch:
+def exchange(batch: Batch, dest: torch.Tensor | Sequence[int],
+             group: dist.ProcessGroup | None = None, *, device: torch.device | str = HOST,
+             use_p2p: bool = False) -> Batch:
     """Send sample i to group rank dest[i]; returns what this rank receives (see module doc)."""
     world, me = _group_size_rank(group)
     dest = torch.as_tensor(dest, dtype=torch.long).cpu()
@@ -241,7 +245,7 @@ def reshard(batch: Batch, src: Sequence[int], dst: Sequence[int],
     if me not in src and len(batch):
         raise ValueError(f"reshard: rank {me} is not in the source layout {list(src)} but holds "
                          f"{len(batch)} samples")
-    counts = torch.zeros(world, dtype=torch.int64, device=kw.get("device", "cpu"))
+    counts = torch.zeros(world, dtype=torch.int64, device=kw.get("device", HOST))
     counts[me] = len(starts)
     if world > 1:
         dist.all_reduce(counts, group=group)   # groups per rank ("sizes first")
@@ -270,7 +274,7 @@ def balanced_partition(weights: Sequence[int], k: int) -> list[int]:
     for start in range(0, len(order), k):
         round_items = order[start:start + k]
         lightest = sorted(range(k), key=lambda p: (loads[p], p))
-        for item, p in zip(round_items, lightest):
+        for item, p in zip(round_items, lightest, strict=False):   # the last round may be short
             part[item] = p
             loads[p] += weights[item]
     return part

@@ -13,9 +13,10 @@ the epoch) is a small dict that a checkpoint can save.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -242,7 +243,7 @@ class PromptLoader:
         width = self.max_prompt_length
         pad = self.tokenizer.pad_token_id
         uids = [f"e{int(e)}-r{int(r)}"
-                for e, r in zip(np.broadcast_to(epoch, len(rows)), row_ids)]
+                for e, r in zip(np.broadcast_to(epoch, len(rows)), row_ids, strict=True)]
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.long)
         for i, row in enumerate(rows):

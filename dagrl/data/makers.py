@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 import random
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pyarrow as pa
 import pyarrow.parquet as pq

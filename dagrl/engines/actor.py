@@ -7,7 +7,6 @@ with the policy loss, aggregation and KL estimator chosen by name from their reg
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
 
 import torch
@@ -15,7 +14,7 @@ import torch.distributed as dist
 
 from dagrl.algorithms.kl import kl_penalty
 from dagrl.algorithms.loss_agg import agg_loss
-from dagrl.algorithms.policy_loss import POLICY_LOSSES
+from dagrl.algorithms.policy_loss import POLICY_LOSSES, PolicyLossParams
 from dagrl.config.schema import ActorConfig, AlgorithmConfig
 from dagrl.data.batch import Batch
 from dagrl.engines.forward import batch_logprobs, response_logprobs
@@ -29,38 +28,37 @@ class ActorEngine(TrainEngine):
     loss_metric = "pg_loss"
 
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, algo: AlgorithmConfig, *,
-                 temperature: float, samples_per_prompt: int,
+                 temperature: float, mini_batch_samples: int,
                  dp_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(model, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
-                         warmup_steps=cfg.warmup_steps, grad_clip=cfg.grad_clip,
-                         loss_agg_mode=algo.loss_agg_mode, dp_group=dp_group)
-        self.cfg, self.algo = cfg, algo
-        self.temperature = temperature if temperature > 0 else 1.0
-        self.samples_per_prompt = samples_per_prompt
+        """`temperature`: the T of log softmax(z / T), the one the rollout recorded
+        (`rollout.sampling.logprob_temperature`)."""
+        super().__init__(model, cfg, loss_agg_mode=algo.loss_agg_mode,
+                         mini_batch_samples=mini_batch_samples,
+                         micro_batch_size=cfg.micro_batch_size, epochs=cfg.ppo_epochs,
+                         dp_group=dp_group)
+        self.algo = algo
+        self.temperature = temperature
         self.policy_loss_fn = POLICY_LOSSES.get(algo.policy_loss)
-        # Loss-specific settings, passed to the losses whose signature takes them.
-        extra = {"drift_coef": algo.policy_drift_coef}
-        accepted = inspect.signature(self.policy_loss_fn).parameters
-        self.policy_loss_kwargs = {k: v for k, v in extra.items() if k in accepted}
+        self.loss_params = PolicyLossParams(
+            clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
+            clip_ratio_c=algo.clip_ratio_c, drift_coef=algo.policy_drift_coef)
 
-    def compute_logprobs(self, batch: Batch, micro_batch_size: int) -> torch.Tensor:
+    def compute_logprobs(self, batch: Batch) -> torch.Tensor:
+        """Forward-only log-probs of the responses under the current weights: [N, R]."""
         self.model.eval()
-        return batch_logprobs(self.model, batch, micro_batch_size=micro_batch_size,
+        return batch_logprobs(self.model, batch, micro_batch_size=self.micro_batch_size,
                               temperature=self.temperature)
 
-    def update(self, batch: Batch, metrics: StepMetrics) -> None:  # type: ignore[override]
+    def check_batch(self, batch: Batch) -> None:
         if self.algo.kl_loss_coef > 0 and "ref_logprobs" not in batch:
             raise KeyError("actor_update: algorithm.kl_loss_coef > 0 needs 'ref_logprobs' in the "
                            "batch; add a ref_logprob node before actor_update in the graph")
-        # mini_batch_size counts prompts over all workers; each rank updates on its share.
-        samples = self.cfg.mini_batch_size * self.samples_per_prompt // self.dp_size
-        if "old_logprobs" not in batch and (self.cfg.ppo_epochs > 1 or len(batch) > samples):
+        if "old_logprobs" not in batch and (self.epochs > 1
+                                            or len(batch) > self.mini_batch_samples):
             raise KeyError("actor_update: 'old_logprobs' is missing and this batch gets more than "
                            "one optimizer step (actor.ppo_epochs > 1 or actor.mini_batch_size < "
                            "data.train_batch_size), so pi_old != pi after the first; add an "
                            "old_logprob node before actor_update in the graph")
-        super().update(batch, metrics, mini_batch_samples=samples,
-                       micro_batch_size=self.cfg.micro_batch_size, epochs=self.cfg.ppo_epochs)
 
     def micro_loss(self, micro: Batch, denom: float, metrics: StepMetrics):
         algo, mode = self.algo, self.loss_agg_mode
@@ -69,16 +67,14 @@ class ActorEngine(TrainEngine):
                                 micro["responses"], mask, temperature=self.temperature,
                                 with_entropy=True)
         # Without an old_logprob pass the batch gets one optimizer step, taken from the weights
-        # that generated it (checked in update): pi_old = pi, as a constant.
+        # that generated it (checked in check_batch): pi_old = pi, as a constant.
         old = micro["old_logprobs"] if "old_logprobs" in micro else out.logprobs.detach()
         if "old_logprobs" not in micro and "rollout_logprobs" in micro:
             # The same check the old_logprob node makes: rollout and training numerics agree.
             token_mean(metrics, "actor/rollout_logprob_gap",
                        (old - micro["rollout_logprobs"]).abs(), mask)
-        loss_mat, stats = self.policy_loss_fn(
-            out.logprobs, old, micro["advantages"], mask,
-            clip_ratio_low=algo.clip_ratio_low, clip_ratio_high=algo.clip_ratio_high,
-            clip_ratio_c=algo.clip_ratio_c, **self.policy_loss_kwargs)
+        loss_mat, stats = self.policy_loss_fn(out.logprobs, old, micro["advantages"], mask,
+                                              self.loss_params)
         pg_loss = agg_loss(loss_mat, mask, mode, denom=denom)
         loss = pg_loss
         if algo.entropy_coeff:

@@ -21,6 +21,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+from dagrl.device import is_host
+
 NAME = "dagrl_grouped"
 # Materialise at most this many score elements (64 MiB in float32); longer inputs use SDPA.
 MAX_SCORES = 2**24
@@ -60,9 +62,10 @@ AttentionMaskInterface.register(NAME, eager_mask)
 
 
 def resolve_attn_implementation(choice: str, device: torch.device | str) -> str:
-    """`auto` -> `dagrl_grouped` on CPU, `sdpa` elsewhere; other choices pass through."""
+    """`auto` -> `dagrl_grouped` on the host CPU, `sdpa` on accelerators (whose fused kernels
+    are fast there); other choices pass through."""
     if choice not in CHOICES:
         raise ValueError(f"model.attn_implementation: {choice!r} is not one of {CHOICES}")
     if choice != "auto":
         return choice
-    return NAME if torch.device(device).type == "cpu" else "sdpa"
+    return NAME if is_host(device) else "sdpa"

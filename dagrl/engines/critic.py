@@ -9,7 +9,7 @@ from transformers import AutoModelForTokenClassification
 
 from dagrl.algorithms.loss_agg import agg_loss
 from dagrl.algorithms.value_loss import clipped_value_loss
-from dagrl.config.schema import ActorConfig, CriticConfig
+from dagrl.config.schema import CriticConfig
 from dagrl.data.batch import Batch
 from dagrl.engines.attention import resolve_attn_implementation
 from dagrl.engines.forward import batch_values, response_values
@@ -18,7 +18,7 @@ from dagrl.engines.train_engine import TrainEngine, token_mean
 from dagrl.observe.metrics import StepMetrics
 
 
-def load_value_model(path: str, dtype: str = "float32", device="cpu",
+def load_value_model(path: str, dtype: str, device: torch.device,
                      attn_implementation: str = "auto") -> torch.nn.Module:
     """A causal-LM checkpoint as a value model: the same backbone with a new scalar head
     (`*ForTokenClassification` with one label: one value per position)."""
@@ -34,23 +34,18 @@ class CriticEngine(TrainEngine):
     name = "critic"
     loss_metric = "vf_loss"
 
-    def __init__(self, model: torch.nn.Module, cfg: CriticConfig, actor_cfg: ActorConfig, *,
-                 loss_agg_mode: str, samples_per_prompt: int,
-                 dp_group: dist.ProcessGroup | None = None) -> None:
-        super().__init__(model, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
-                         warmup_steps=cfg.warmup_steps, grad_clip=cfg.grad_clip,
-                         loss_agg_mode=loss_agg_mode, dp_group=dp_group)
+    def __init__(self, model: torch.nn.Module, cfg: CriticConfig, *, loss_agg_mode: str,
+                 mini_batch_samples: int, dp_group: dist.ProcessGroup | None = None) -> None:
+        """`mini_batch_samples`: the actor's (the critic steps on the same mini-batches)."""
+        super().__init__(model, cfg, loss_agg_mode=loss_agg_mode,
+                         mini_batch_samples=mini_batch_samples,
+                         micro_batch_size=cfg.micro_batch_size, epochs=cfg.ppo_epochs,
+                         dp_group=dp_group)
         self.cfg = cfg
-        # The critic steps on the same mini-batches as the actor.
-        self.mini_batch_samples = actor_cfg.mini_batch_size * samples_per_prompt // self.dp_size
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         self.model.eval()
-        return batch_values(self.model, batch, micro_batch_size=self.cfg.micro_batch_size)
-
-    def update(self, batch: Batch, metrics: StepMetrics) -> None:  # type: ignore[override]
-        super().update(batch, metrics, mini_batch_samples=self.mini_batch_samples,
-                       micro_batch_size=self.cfg.micro_batch_size, epochs=self.cfg.ppo_epochs)
+        return batch_values(self.model, batch, micro_batch_size=self.micro_batch_size)
 
     def micro_loss(self, micro: Batch, denom: float, metrics: StepMetrics):
         mask = micro["response_mask"]

@@ -10,7 +10,7 @@ import torch
 
 from dagrl.algorithms.utils import entropy_from_logits, logprobs_from_logits
 from dagrl.data.batch import Batch
-from dagrl.engines.generator import position_ids_from_mask
+from dagrl.rollout.hf import position_ids_from_mask
 
 
 @dataclass
@@ -77,7 +77,9 @@ def batch_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: in
     parts = [response_logprobs(model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"],
                                mb["response_mask"], temperature=temperature).logprobs
              for mb in batch.split(micro_batch_size) if len(mb)]
-    return torch.cat(parts) if parts else torch.zeros_like(batch["response_mask"], dtype=torch.float32)
+    if not parts:
+        return torch.zeros_like(batch["response_mask"], dtype=torch.float32)
+    return torch.cat(parts)
 
 
 @torch.no_grad()
@@ -86,4 +88,6 @@ def batch_values(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int)
     parts = [response_values(model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"],
                              mb["response_mask"])
              for mb in batch.split(micro_batch_size) if len(mb)]
-    return torch.cat(parts) if parts else torch.zeros_like(batch["response_mask"], dtype=torch.float32)
+    if not parts:
+        return torch.zeros_like(batch["response_mask"], dtype=torch.float32)
+    return torch.cat(parts)

@@ -26,6 +26,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from dagrl.device import host_device
 from dagrl.engines.attention import resolve_attn_implementation
 
 logger = logging.getLogger(__name__)
@@ -181,11 +182,13 @@ def load_tokenizer(path: str, gguf_file: str = "") -> PreTrainedTokenizerBase:
 
 
 def load_model(path: str, gguf_file: str = "", dtype: str = "float32",
-               device: torch.device | str = "cpu", attn_implementation: str = "auto",
+               device: torch.device | str | None = None, attn_implementation: str = "auto",
                ) -> PreTrainedModel:
     """Load a HF causal LM from a local directory (safetensors, or a GGUF file inside it).
-    `attn_implementation`: see `dagrl.engines.attention.resolve_attn_implementation`."""
+    `attn_implementation`: see `dagrl.engines.attention.resolve_attn_implementation`. The
+    default device is the host."""
     _check_model_dir(path, gguf_file)
+    device = host_device() if device is None else device
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     hf_logging.disable_progress_bar()   # one bar per model load is noise in a training log
     model = AutoModelForCausalLM.from_pretrained(

@@ -5,7 +5,7 @@ real model, each paying the collective's latency. Here the local shards of many 
 are packed into one flat buffer per bucket and gathered with a single `all_gather_into_tensor`;
 then each full parameter is cut out of the gathered buffer. At most one bucket's gathered
 buffer (world_size x the bucket's largest shard) is alive at a time, and each full tensor only
-until its consumer (the generator's in-place copy) has taken it.
+until its consumer (the rollout engine's in-place copy) has taken it.
 
 FSDP2 shards every parameter on dim 0 the way `torch.chunk` does: rank r holds rows
 [r*c, (r+1)*c) with c = ceil(rows / world), so the last ranks may hold fewer rows or none.
@@ -76,11 +76,11 @@ def _gather_bucket(bucket: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str
     # Per parameter: rows held by each rank and the elements in one row.
     rows = [shard_rows(p.shape[0], world) for _, p in bucket]
     row_numel = [math.prod(p.shape[1:]) for _, p in bucket]
-    per_rank = [sum(r[k] * n for r, n in zip(rows, row_numel)) for k in range(world)]
+    per_rank = [sum(r[k] * n for r, n in zip(rows, row_numel, strict=True)) for k in range(world)]
     width = max(per_rank)
     send = local[0].new_zeros(width)
     offset = 0
-    for (name, _), shard, r, n in zip(bucket, local, rows, row_numel):
+    for (name, _), shard, r, n in zip(bucket, local, rows, row_numel, strict=True):
         if shard.numel() != r[rank] * n:   # a layout other than torch.chunk rows: do not guess
             raise RuntimeError(f"weight sync: rank {rank} holds {shard.numel()} elements of "
                                f"{name!r}, expected {r[rank] * n} (dim-0 chunks of {r})")
@@ -90,7 +90,7 @@ def _gather_bucket(bucket: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str
     dist.all_gather_into_tensor(gathered, send, group=group)
     segments = gathered.view(world, width)
     offsets = [0] * world
-    for (name, p), r, n in zip(bucket, rows, row_numel):
+    for (name, p), r, n in zip(bucket, rows, row_numel, strict=True):
         pieces = []
         for k in range(world):
             count = r[k] * n

@@ -14,7 +14,7 @@ import sys
 
 import torch
 
-from dagrl.runtime.device import peak_memory_bytes, reset_peak_memory
+from dagrl.device import peak_memory_bytes, reset_peak_memory
 
 GB = 1024 ** 3
 

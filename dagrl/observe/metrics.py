@@ -85,4 +85,4 @@ def _all_reduce_dict(values: dict[str, float], op: dist.ReduceOp,
     # Metrics are reduced on the CPU: a handful of floats, and gloo is always available.
     t = torch.tensor([values.get(k, fill) for k in keys], dtype=torch.float64)
     dist.all_reduce(t, op=op, group=group)
-    return dict(zip(keys, t.tolist()))
+    return dict(zip(keys, t.tolist(), strict=True))

@@ -15,20 +15,21 @@ and the profiler (profiler.py) records the chosen tasks.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Callable
 
 import torch.distributed as dist
 
 from dagrl.config.schema import Config
 from dagrl.dag.planner import Task
 from dagrl.dag.spec import GraphSpec
+from dagrl.device import device_name
 from dagrl.observe.flops import batch_tokens, matmul_params, peak_tflops, role_flops_per_token
 from dagrl.observe.memory import GB, NodeMemory, host_peak_bytes
 from dagrl.observe.metrics import StepMetrics
 from dagrl.observe.profiler import TaskProfiler
-from dagrl.runtime.device import device_name
 
 
 def task_name(task: Task) -> str:
@@ -50,13 +51,15 @@ class StepObserver:
         self.passes = {"actor_update": cfg.actor.ppo_epochs, "critic_update": cfg.critic.ppo_epochs}
         self.peak_tflops = peak_tflops(device_name(device), cfg.model.dtype)
 
-    def run(self, step: int, task: Task, metrics: StepMetrics, fn: Callable):
-        """Run `fn()` (the task) and record its time, memory and FLOPs; returns its batch."""
+    @contextlib.contextmanager
+    def measure(self, step: int, task: Task, metrics: StepMetrics) -> Iterator[None]:
+        """Record the time and memory of the task run inside the `with` block (and profile it
+        when the profiler is configured to)."""
         name = task_name(task)
         self.memory.start()
         start = time.perf_counter()
         with self.profiler.task(step, task):
-            batch = fn()
+            yield
         seconds = time.perf_counter() - start
         host, device = self.memory.stop()
         # Both extremes over ranks: the max is the node's time, max - min its straggler spread.
@@ -67,16 +70,19 @@ class StepObserver:
         if device is not None:
             metrics.add_max(f"memory/{name}_device_gb", device / GB)
             metrics.add_max("memory/device_peak_gb", device / GB)
-        if task.kind == "node":
-            flops = role_flops_per_token(task.role, self.n_params, self.passes.get(task.role, 1))
-            if flops:
-                metrics.add_sum("perf/flops", flops * batch_tokens(batch))
         if self.profiler.records(step, task):
             sample = {"host_rss_mb": host / 2**20}
             if device is not None:
                 sample["device_peak_mb"] = device / 2**20
             self.profiler.counter(sample)
-        return batch
+
+    def count_flops(self, task: Task, batch, metrics: StepMetrics) -> None:
+        """Model FLOPs of a node task, from the tokens of the batch it returned."""
+        if task.kind != "node":
+            return
+        flops = role_flops_per_token(task.role, self.n_params, self.passes.get(task.role, 1))
+        if flops:
+            metrics.add_sum("perf/flops", flops * batch_tokens(batch))
 
     def finish_step(self, step: int, result: dict[str, float]) -> dict[str, float]:
         """Derived metrics of a reduced step; writes the traces after the last profiled step
@@ -100,8 +106,8 @@ class StepObserver:
 
 
 def _a_policy_model(engines):
-    """The actor's model (or the generator's / reference's on ranks without an actor)."""
-    for holder, attr in ((engines.actor, "model"), (engines.generator, "model"),
+    """The actor's model (or the rollout engine's / reference's on ranks without an actor)."""
+    for holder, attr in ((engines.actor, "model"), (engines.rollout, "model"),
                          (engines, "ref_model")):
         model = getattr(holder, attr, None) if holder is not None else None
         if model is not None:

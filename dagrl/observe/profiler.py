@@ -20,8 +20,8 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from dagrl.config.loader import ConfigError
 from dagrl.config.schema import ProfilerConfig
 from dagrl.dag.planner import Task
-from dagrl.runtime.device import profiler_for
+from dagrl.device import profiler_for
 
 PROFILE_DIR = "profile"
 MERGED_TRACE = "trace.json"
@@ -77,9 +77,8 @@ class TaskProfiler:
         prof = profile(activities=activities)
         self._recording = True
         try:
-            with prof:
-                with torch.profiler.record_function(span_name(task)):
-                    yield
+            with prof, torch.profiler.record_function(span_name(task)):
+                yield
         finally:
             self._recording = False
         self._collect(prof, step)

@@ -14,12 +14,21 @@ import io
 import json
 import math
 import re
+from collections.abc import Callable
 from datetime import datetime
 from html import escape
 from pathlib import Path
-from typing import Callable
 
+from dagrl.config.loader import load_config
+from dagrl.config.schema import Config
+from dagrl.dag.draw import to_svg
+from dagrl.dag.planner import RankPlan
+from dagrl.dag.spec import GraphSpec
+from dagrl.observe.observer import task_name
 from dagrl.observe.profiler import MERGED_TRACE, PROFILE_DIR, top_spans
+
+# config, world size -> (graph, node order, one plan per rank): dagrl.roles.plan.plan_for.
+PlanFor = Callable[[Config, int], tuple[GraphSpec, list[str], list[RankPlan]]]
 
 # Metrics named timing/*_s that are not a task of the plan (used when the plan is unknown).
 STEP_TIMINGS = {"timing/step_s", "timing/weight_sync_s", "timing/validation_s"}
@@ -188,15 +197,11 @@ PLOTS: list[tuple[str, str, str, Callable]] = [
 ]
 
 
-def _plan(run_dir: Path):
+def _plan(run_dir: Path, plan_for: PlanFor | None):
     """(svg, task names) of the run's graph and plan, or (error message, None)."""
+    if plan_for is None:
+        return "(the DAG could not be drawn: no planner was given; `dagrl report` gives one)", None
     try:
-        from dagrl.config.loader import load_config
-        from dagrl.config.schema import Config
-        from dagrl.dag.draw import to_svg
-        from dagrl.observe.observer import task_name
-        from dagrl.runtime.worker import plan_for
-
         cfg = load_config(Config, run_dir / "config.resolved.yaml", [])
         graph, order, plans = plan_for(cfg, cfg.trainer.n_workers)
     except Exception as err:   # the report still has its plots without a picture of the DAG
@@ -258,11 +263,12 @@ overflow:auto;font-size:12px} .summary li{display:inline-block;margin-right:18px
 .dag{overflow:auto;border:1px solid #ddd;border-radius:6px}"""
 
 
-def render_report(run_dir: str | Path) -> str:
-    """The report's HTML."""
+def render_report(run_dir: str | Path, plan_for: PlanFor | None = None) -> str:
+    """The report's HTML. `plan_for(config, world_size) -> (graph, order, plans)` (the one in
+    `dagrl.roles.plan`) draws the run's DAG and per-rank plan."""
     run_dir = Path(run_dir)
     rows = load_metrics(run_dir)
-    dag_svg, task_names = _plan(run_dir)
+    dag_svg, task_names = _plan(run_dir, plan_for)
     plots = []
     for pid, title, caption, draw in PLOTS:
         fig = draw(rows, task_names)
@@ -287,11 +293,12 @@ def render_report(run_dir: str | Path) -> str:
             f"</section></body></html>\n")
 
 
-def write_report(run_dir: str | Path, out: str | Path | None = None) -> Path:
+def write_report(run_dir: str | Path, out: str | Path | None = None,
+                 plan_for: PlanFor | None = None) -> Path:
     """Write the report (default RUN_DIR/report.html) and return its path."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ReportError(f"no such run directory: {run_dir}")
     path = Path(out) if out else run_dir / "report.html"
-    path.write_text(render_report(run_dir), encoding="utf-8")
+    path.write_text(render_report(run_dir, plan_for), encoding="utf-8")
     return path

@@ -13,9 +13,9 @@ import hashlib
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
 
 
 def _is_file_spec(target: str) -> bool:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -137,7 +138,7 @@ class RewardManager:
 
         result = RewardResult(scores=[])
         extras: list[dict[str, float]] = []
-        for i, ((fn, name), response) in enumerate(zip(scorers, responses)):
+        for i, ((fn, name), response) in enumerate(zip(scorers, responses, strict=True)):
             try:
                 score, extra = _unpack(fn(response, ground_truths[i], extra_infos[i]))
             except Exception as exc:

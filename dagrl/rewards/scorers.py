@@ -42,7 +42,7 @@ def arith_score(solution_str: str, ground_truth: str, extra_info: dict | None = 
     n_digits = sum(c in _DIGITS for c in resp) + resp.startswith("-")
     digit_frac = n_digits / len(resp) if resp else 0.0
     length_score = max(0.0, 1.0 - abs(len(resp) - len(gt)) / len(gt))
-    position_match = sum(r == g for r, g in zip(resp, gt)) / len(gt)
+    position_match = sum(r == g for r, g in zip(resp, gt, strict=False)) / len(gt)
     return 0.2 * digit_frac + 0.2 * length_score + 0.4 * position_match
 
 

@@ -16,7 +16,14 @@ import torch
 import torch.distributed as dist
 
 from dagrl.dag.planner import RankPlan
-from dagrl.runtime.device import collective_backend, device_type, worker_device
+from dagrl.device import (
+    HOST_BACKEND,
+    collective_backend,
+    device_type,
+    host_device,
+    is_host,
+    worker_device,
+)
 
 
 @dataclass
@@ -24,8 +31,9 @@ class DistContext:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    # Metrics and small Python objects always travel over gloo on the CPU.
+    device: torch.device = field(default_factory=host_device)
+    # Metrics and small Python objects always travel over gloo on the host (None: the world
+    # group is already gloo).
     cpu_group: dist.ProcessGroup | None = None
     layout_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
 
@@ -70,8 +78,8 @@ def init_distributed(device_pref: str, timeout_s: float = 1800.0) -> DistContext
     if not dist.is_initialized():
         dist.init_process_group(collective_backend(kind), rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s),
-                                device_id=device if kind != "cpu" else None)
-    cpu_group = dist.new_group(backend="gloo") if kind != "cpu" else None
+                                device_id=None if is_host(device) else device)
+    cpu_group = None if is_host(device) else dist.new_group(backend=HOST_BACKEND)
     return DistContext(rank, world, local_rank, device, cpu_group)
 
 

@@ -9,14 +9,18 @@ join that cluster; otherwise start a local Ray instance.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
 from pathlib import Path
 
-from dagrl.config.loader import to_dict
+from dagrl.config.loader import from_dict, to_dict
 from dagrl.config.schema import Config
-from dagrl.runtime.device import device_type
+from dagrl.device import device_type, ray_actor_options, ray_bundle
+from dagrl.runtime.checkpoint import latest_checkpoint
+from dagrl.runtime.process import run_worker_from_env
+from dagrl.runtime.run_dir import resolve_run_dir
 
 
 class WorkerFailed(RuntimeError):
@@ -38,9 +42,7 @@ class _RayWorker:
         return ray.util.get_node_ip_address(), _free_port()
 
     def run(self, cfg_dict: dict, rank: int, world: int, master: tuple[str, int]) -> list[dict]:
-        from dagrl.config.loader import from_dict
-        from dagrl.runtime.launch import run_worker_from_env
-
+        # Ray gives each actor its own device (visible devices), so it is local rank 0.
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0",
                           MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
         return run_worker_from_env(from_dict(Config, cfg_dict))
@@ -49,12 +51,7 @@ class _RayWorker:
 def launch_ray(cfg: Config) -> list[dict[str, float]]:
     """Run the workers; restart them all from the last checkpoint after a failure, at most
     trainer.max_restarts times. Returns rank 0's metrics of the last attempt."""
-    import dataclasses
-
     import ray
-
-    from dagrl.runtime.checkpoint import latest_checkpoint
-    from dagrl.runtime.launch import resolve_run_dir
 
     # Every attempt must use the same run directory (and so the same checkpoints).
     run_dir = resolve_run_dir(cfg)
@@ -100,12 +97,11 @@ def _run_workers(cfg: Config) -> list[dict[str, float]]:
 
     n = cfg.trainer.n_workers
     kind = device_type(cfg.trainer.device)
-    bundle = {"CPU": 1} if kind == "cpu" else {"CPU": 1, "GPU": 1}
-    pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+    pg = placement_group([ray_bundle(kind) for _ in range(n)], strategy="PACK")
     ray.get(pg.ready())
     actor_cls = ray.remote(_RayWorker)
     actors = [actor_cls.options(
-        num_cpus=1, num_gpus=bundle.get("GPU", 0), max_restarts=0,
+        **ray_actor_options(kind), max_restarts=0,
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             placement_group=pg, placement_group_bundle_index=i)).remote() for i in range(n)]
     try:

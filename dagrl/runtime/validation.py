@@ -20,10 +20,10 @@ import torch
 
 from dagrl.config.schema import Config
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
-from dagrl.engines.sampling import SamplingParams, mix_seed
+from dagrl.engines.bundle import Engines
 from dagrl.observe.metrics import StepMetrics
-from dagrl.runtime.engines import Engines
-from dagrl.runtime.nodes import decode_responses
+from dagrl.roles.score import decode_responses
+from dagrl.rollout.sampling import SamplingParams, mix_seed
 
 # The "step" part of validation's sampling keys. Training steps start at 1, so validation
 # draws never coincide with a training step's; they are the same at every validation, so
@@ -36,8 +36,8 @@ class Validator:
 
     def __init__(self, cfg: Config, source: ParquetPrompts, engines: Engines, rank: int,
                  world_size: int, device: torch.device) -> None:
-        if engines.generator is None or engines.reward_manager is None:
-            raise ValueError("validation needs the rollout generator and the reward manager")
+        if engines.rollout is None or engines.reward_manager is None:
+            raise ValueError("validation needs the rollout engine and the reward manager")
         d = cfg.data
         # Only its tokenization is used (`batch_of_rows`); the batch settings do not matter.
         self.loader = PromptLoader(source, engines.tokenizer, batch_size=world_size, rank=rank,
@@ -65,7 +65,7 @@ class Validator:
         sample_index = torch.arange(n).repeat(len(rows))
         seeds = mix_seed(self.cfg.trainer.seed, VAL_SEED_STEP, batch["row_index"].cpu(),
                          sample_index)
-        out = self.engines.generator.generate(
+        out = self.engines.rollout.generate(
             batch["prompt_ids"], batch["prompt_mask"], seeds.to(self.device),
             SamplingParams(r.val_temperature, r.top_k, r.top_p),
             max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens)

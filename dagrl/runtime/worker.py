@@ -19,8 +19,6 @@ prepares the run directory and tells the others the resolved config.
 
 from __future__ import annotations
 
-import functools
-import os
 import time
 from pathlib import Path
 
@@ -28,40 +26,19 @@ import torch
 import torch.distributed as dist
 
 from dagrl.config.schema import Config
-from dagrl.dag.builtin import BUILTIN_GRAPHS
-from dagrl.dag.planner import RankPlan, make_plan
-from dagrl.dag.roles import import_user_modules, load_builtin_roles
-from dagrl.dag.spec import GraphSpec, load_graph_yaml, validate_graph
+from dagrl.dag.planner import Task
+from dagrl.data.batch import Batch
 from dagrl.data.buffer import balance, reshard
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
+from dagrl.engines.bundle import build_engines
 from dagrl.observe.loggers import RunLogger, truncate_jsonl
 from dagrl.observe.metrics import StepMetrics
 from dagrl.observe.observer import StepObserver
+from dagrl.roles.plan import plan_for
+from dagrl.roles.registry import ROLES, NodeContext
 from dagrl.runtime.checkpoint import Checkpointer, Stateful, resolve_resume
 from dagrl.runtime.distributed import DistContext, create_layout_groups
-from dagrl.runtime.engines import build_engines
-from dagrl.runtime.host_memory import keep_freed_memory
-from dagrl.runtime.nodes import NodeContext
 from dagrl.runtime.validation import Validator
-
-
-def build_graph(cfg: Config) -> GraphSpec:
-    """The configured graph: `dag.graph` (a built-in name or a YAML file), else the built-in
-    graph of `algorithm.name`."""
-    name = cfg.dag.graph or cfg.algorithm.name
-    if name.endswith((".yaml", ".yml")) or os.sep in name:
-        return load_graph_yaml(name)
-    return BUILTIN_GRAPHS.get(name)(cfg)
-
-
-def plan_for(cfg: Config, world_size: int) -> tuple[GraphSpec, list[str], list[RankPlan]]:
-    """Import user roles, build and validate the graph, and plan it for `world_size` ranks."""
-    import_user_modules(cfg.dag.modules)
-    roles = load_builtin_roles()
-    graph = build_graph(cfg)
-    order = validate_graph(graph, roles)
-    trains = frozenset(name for name in roles if roles.get(name).trains)
-    return graph, order, make_plan(graph, order, world_size, trains)
 
 
 class Worker:
@@ -74,16 +51,13 @@ class Worker:
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
         if cfg.trainer.torch_threads:
             torch.set_num_threads(cfg.trainer.torch_threads)
-        if cfg.trainer.keep_freed_memory:
-            keep_freed_memory()
         torch.manual_seed(cfg.trainer.seed)
         self.device = self.dist.device
         self.graph, self.order, plans = plan_for(cfg, self.world_size)
         create_layout_groups(self.dist, plans)
         self.plan = plans[self.rank]
-        self.roles = load_builtin_roles()
         needed = {e for t in self.plan.tasks if t.kind == "node"
-                  for e in self.roles.get(t.role).engines}
+                  for e in ROLES.get(t.role).engines}
         t = cfg.trainer
         validates = t.val_every > 0 or t.val_before_train
         if validates:   # every rank validates its share of the test split
@@ -122,35 +96,38 @@ class Worker:
         metrics = StepMetrics()
         step_start = time.perf_counter()
         batch = self.run_tasks(self.plan.tasks, step, metrics)
-        step_s = time.perf_counter() - step_start
-        metrics.add_max("timing/step_s", step_s)
+        metrics.add_max("timing/step_s", time.perf_counter() - step_start)
         metrics.add_sum("batch/samples", len(batch))
         result = metrics.reduce(self.dist.cpu_group if self.dist.distributed else None)
         return self.observer.finish_step(step, result)
 
-    def run_tasks(self, tasks, step: int, metrics: StepMetrics):
-        """Run `tasks` (a prefix of the plan, or all of it) on this rank's next prompts."""
+    def run_tasks(self, tasks: tuple[Task, ...], step: int, metrics: StepMetrics) -> Batch:
+        """Run `tasks` (the plan, or a prefix of it) on this rank's next prompts: the worker
+        loop. A node task calls its role; reshard and balance move samples between ranks."""
         batch = self.loader.next_batch().to(self.device)
         most = len(batch)
         for i, task in enumerate(tasks):
-            batch = self.observer.run(step, task, metrics, functools.partial(
-                self.run_task, task, batch, step, metrics, upstream=tasks[:i]))
+            with self.observer.measure(step, task, metrics):
+                if task.kind == "reshard":
+                    batch = reshard(batch, task.src, task.dst, device=self.device)
+                elif task.kind == "balance":
+                    batch = balance(batch, tuple(range(len(task.dst))),
+                                    self.dist.group_for(task.dst), device=self.device)
+                else:
+                    ctx = self.node_context(task, step, metrics, upstream=tasks[:i])
+                    batch = ROLES.get(task.role).fn(ctx, batch)
+            self.observer.count_flops(task, batch, metrics)
             most = max(most, len(batch))
         # The most samples this rank held at any point: no rank should ever hold the global batch.
         metrics.add_max("batch/max_samples_per_rank", most)
         return batch
 
-    def run_task(self, task, batch, step: int, metrics: StepMetrics, upstream=()):
-        if task.kind == "reshard":
-            return reshard(batch, task.src, task.dst, device=self.device)
-        group = self.dist.group_for(task.dst)
-        if task.kind == "balance":
-            return balance(batch, tuple(range(len(task.dst))), group, device=self.device)
-        ctx = NodeContext(self.cfg, self.graph.node(task.node_id), step, self.rank,
-                          self.world_size, self.engines, metrics,
-                          reduce_sum=self._reducer(group),
-                          more=lambda: self.run_tasks(upstream, step, metrics))
-        return self.roles.get(task.role).fn(ctx, batch)
+    def node_context(self, task: Task, step: int, metrics: StepMetrics,
+                     upstream: tuple[Task, ...]) -> NodeContext:
+        return NodeContext(self.cfg, self.graph.node(task.node_id), step, self.rank,
+                           self.world_size, self.engines, metrics,
+                           reduce_sum=self._reducer(self.dist.group_for(task.dst)),
+                           more=lambda: self.run_tasks(upstream, step, metrics))
 
     def _reducer(self, group):
         if not self.dist.distributed:
@@ -238,7 +215,7 @@ class Worker:
             getattr(e, name).version = version
         if e.kl_controller is not None and state["kl_controller"] is not None:
             e.kl_controller.load_state_dict(state["kl_controller"])
-        e.synced_version = -1   # the generators still hold the initial weights
+        e.synced_version = -1   # the rollout engines still hold the initial weights
         e.sync_rollout_weights()
         step = int(state["step"])
         if self.rank == 0:

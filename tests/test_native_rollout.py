@@ -1,4 +1,4 @@
-"""The fast decoder against transformers' generate, a forward pass and the HF-forward generator."""
+"""The native rollout backend against transformers' generate, a forward pass and the hf backend."""
 
 from __future__ import annotations
 
@@ -6,11 +6,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from dagrl.engines.fast_generator import FastDecoder, fast_path_unsupported
 from dagrl.engines.forward import response_logprobs
-from dagrl.engines.generator import Generator
 from dagrl.engines.models import load_model, load_tokenizer, write_tiny_model
-from dagrl.engines.sampling import SamplingParams, mix_seed
+from dagrl.rollout import build_rollout
+from dagrl.rollout import native_decoder as fast_generator
+from dagrl.rollout.hf import HFRollout
+from dagrl.rollout.native import NativeRollout
+from dagrl.rollout.native_decoder import FastDecoder, fast_path_unsupported
+from dagrl.rollout.sampling import SamplingParams, mix_seed
 
 PROMPTS = ["1+2=", "13+7=", "4+4=", "20+19=", "0+0=", "99*9=", "a", "abc+def=xyz"]
 
@@ -34,11 +37,9 @@ def setup(family_dir):
     return model, tok, ids, mask
 
 
-def generators(model, tok) -> tuple[Generator, Generator]:
+def generators(model, tok) -> tuple[NativeRollout, HFRollout]:
     kwargs = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    fast, slow = Generator(model, **kwargs), Generator(model, **kwargs, fast=False)
-    assert fast.fast is not None and slow.fast is None
-    return fast, slow
+    return NativeRollout(model, **kwargs), HFRollout(model, **kwargs)
 
 
 def seeds_for(n: int, salt: int = 0) -> torch.Tensor:
@@ -46,15 +47,14 @@ def seeds_for(n: int, salt: int = 0) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("limits", [{}, {"WEIGHT_MAJOR_MAX_ROWS": 0},
-                                    {"WEIGHT_MAJOR_MAX_ROWS": 10**9, "MATH_ATTENTION_MAX_SCORES": 0},
+                                    {"WEIGHT_MAJOR_MAX_ROWS": 10**9,
+                                     "MATH_ATTENTION_MAX_SCORES": 0},
                                     {"WEIGHT_MAJOR_CHUNK_ROWS": 24}],
                          ids=["default", "token-major", "feature-major-sdpa", "chunked-weights"])
 def test_greedy_identical_to_transformers_generate(setup, monkeypatch, limits):
     """Every layout (feature-major few-row steps, token-major many-row steps), both prefill
     attentions (matmul-softmax, SDPA) and weights multiplied in row blocks reproduce
     generate's tokens."""
-    from dagrl.engines import fast_generator
-
     for name, value in limits.items():
         monkeypatch.setattr(fast_generator, name, value)
     model, tok, ids, mask = setup
@@ -170,7 +170,7 @@ def test_weight_updates_reach_the_fast_path(setup):
                            max_new_tokens=8)
     g = torch.Generator().manual_seed(1)
     new = [(n, p + 0.05 * torch.randn(p.shape, generator=g)) for n, p in model.named_parameters()]
-    fast.load_weights(new, version=1)
+    fast.update_weights(new, version=1)
     after = fast.generate(ids, mask, seeds_for(len(PROMPTS)), SamplingParams(temperature=0),
                           max_new_tokens=8)
     ref = slow.generate(ids, mask, seeds_for(len(PROMPTS)), SamplingParams(temperature=0),
@@ -187,7 +187,7 @@ def test_fused_projections_share_the_modules_storage(setup):
     fast.generate(ids, mask, seeds_for(len(PROMPTS)), SamplingParams(temperature=0),
                   max_new_tokens=4)
     attn = model.model.layers[0].self_attn
-    qkv, _ = fast.fast._fused[0, "qkv"]
+    qkv, _ = fast.decoder._fused[0, "qkv"]
     assert attn.k_proj.weight.data_ptr() == qkv[attn.q_proj.out_features:].data_ptr()
     with torch.no_grad():
         attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight + 0.5)
@@ -195,7 +195,7 @@ def test_fused_projections_share_the_modules_storage(setup):
     ours = fast.generate(ids, mask, seeds_for(len(PROMPTS)), greedy, max_new_tokens=8)
     ref = slow.generate(ids, mask, seeds_for(len(PROMPTS)), greedy, max_new_tokens=8)
     assert torch.equal(ours.responses, ref.responses)
-    assert fast.fast._fused[0, "qkv"][0].data_ptr() != qkv.data_ptr()
+    assert fast.decoder._fused[0, "qkv"][0].data_ptr() != qkv.data_ptr()
 
 
 def _random_model(config):
@@ -214,12 +214,14 @@ def test_unsupported_architectures_fall_back():
     plain = _random_model(LlamaConfig(**small))
     for model in (sliding, scaled, gelu):
         assert fast_path_unsupported(model) is not None
-        assert Generator(model, eos_token_id=2, pad_token_id=0).fast is None
+        assert isinstance(build_rollout("auto", model, eos_token_id=2, pad_token_id=0), HFRollout)
+        with pytest.raises(ValueError, match="rollout.backend=hf"):
+            NativeRollout(model, eos_token_id=2, pad_token_id=0)
         with pytest.raises(ValueError):
             FastDecoder(model)
     assert fast_path_unsupported(plain) is None
     # The fallback still generates.
-    gen = Generator(sliding, eos_token_id=2, pad_token_id=0)
+    gen = build_rollout("auto", sliding, eos_token_id=2, pad_token_id=0)
     out = gen.generate(torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]]),
                        torch.arange(2), SamplingParams(), max_new_tokens=4)
     assert out.responses.shape == (2, 4)
@@ -233,13 +235,13 @@ def test_stop_tokens_end_responses_on_both_paths(setup):
     stop_id = int(free.responses[0, 2])   # what row 0 emits third: make it a stop token
     kwargs = {"eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id,
                   "stop_token_ids": [stop_id]}
-    for gen in (Generator(model, **kwargs), Generator(model, **kwargs, fast=False)):
+    for gen in (NativeRollout(model, **kwargs), HFRollout(model, **kwargs)):
         out = gen.generate(ids, mask, seeds, SamplingParams(temperature=0), max_new_tokens=12)
         for i in range(len(PROMPTS)):
             row = free.responses[i][free.response_mask[i].bool()].tolist()
             ends = [k for k, t in enumerate(row) if t in (stop_id, tok.eos_token_id)]
             n = ends[0] + 1 if ends else len(row)   # the stop token is part of the response
-            assert int(out.response_mask[i].sum()) == n, (gen.fast is not None, i)
+            assert int(out.response_mask[i].sum()) == n, (type(gen).__name__, i)
             assert out.responses[i, :n].tolist() == row[:n]
         held = gen.generate(ids, mask, seeds, SamplingParams(temperature=0), max_new_tokens=12,
                             min_new_tokens=12)
@@ -261,8 +263,6 @@ def test_right_padded_prompts_are_refused(setup):
 def test_lm_head_blocks_give_row_major_logits(monkeypatch):
     """The decode LM head in vocabulary blocks (the last one partial), each transposed into a
     row-major result, equals F.linear."""
-    from dagrl.engines import fast_generator
-
     monkeypatch.setattr(fast_generator, "WEIGHT_MAJOR_CHUNK_ROWS", 32)
     torch.manual_seed(0)
     x, weight = torch.randn(5, 16), torch.randn(100, 16)

@@ -130,7 +130,7 @@ def run_ours(model: Path, data: Path, work: Workload, run_dir: Path,
     """Our GRPO loop in this process; each step timed by wall clock around the worker's step
     and its logging (what `dagrl train` does between two steps)."""
     from dagrl.config.presets import load_run_config
-    from dagrl.runtime.launch import prepare_run
+    from dagrl.runtime.run_dir import prepare_run
     from dagrl.runtime.worker import Worker
 
     cfg = load_run_config(None, [
@@ -160,7 +160,8 @@ def run_ours(model: Path, data: Path, work: Workload, run_dir: Path,
             print(f"  ours step {step}: {seconds[-1]:.2f}s", flush=True)
     finally:
         worker.logger.close()
-    return {**summarize(seconds, cpu_seconds, work), "mean_length": lengths, "metrics": str(run_dir)}
+    return {**summarize(seconds, cpu_seconds, work), "mean_length": lengths,
+            "metrics": str(run_dir)}
 
 
 # --- TRL's side --------------------------------------------------------------------------------

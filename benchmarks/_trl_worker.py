@@ -14,6 +14,7 @@ prompts x samples, no gradient accumulation, one GRPO iteration per batch.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -29,7 +30,7 @@ def arith_reward(completions: list, ground_truth: list[str], **_: object) -> lis
     because the TRL venv cannot import dagrl: exact answer 1, else shaped partial credit.
     Its cost is negligible next to a step; it only has to be the same kind of cheap rule."""
     rewards = []
-    for completion, gt in zip(completions, ground_truth):
+    for completion, gt in zip(completions, ground_truth, strict=True):
         text = completion[0]["content"] if isinstance(completion, list) else completion
         resp, gt = text.strip(), gt.strip()
         if resp == gt:
@@ -38,7 +39,7 @@ def arith_reward(completions: list, ground_truth: list[str], **_: object) -> lis
         n_digits = sum(c in _DIGITS for c in resp) + resp.startswith("-")
         digit_frac = n_digits / len(resp) if resp else 0.0
         length_score = max(0.0, 1.0 - abs(len(resp) - len(gt)) / len(gt))
-        position_match = sum(r == g for r, g in zip(resp, gt)) / len(gt)
+        position_match = sum(r == g for r, g in zip(resp, gt, strict=False)) / len(gt)
         rewards.append(0.2 * digit_frac + 0.2 * length_score + 0.4 * position_match)
     return rewards
 
@@ -134,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
                      "torch": torch.__version__},
         "threads": torch.get_num_threads(),
-        "step_seconds": [b[0] - a[0] for a, b in zip(clock.marks, clock.marks[1:])],
-        "step_cpu_seconds": [b[1] - a[1] for a, b in zip(clock.marks, clock.marks[1:])],
+        "step_seconds": [b[0] - a[0] for a, b in itertools.pairwise(clock.marks)],
+        "step_cpu_seconds": [b[1] - a[1] for a, b in itertools.pairwise(clock.marks)],
         "mean_length": [log["completions/mean_length"] for log in step_logs],
         "min_length": [log.get("completions/min_length", float("nan")) for log in step_logs],
         "max_length": [log.get("completions/max_length", float("nan")) for log in step_logs],

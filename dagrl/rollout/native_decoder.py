@@ -4,21 +4,20 @@ model's own weight tensors, a preallocated KV cache, and compaction of finished 
 Why it is faster than calling the HF model once per step:
 - no per-step module dispatch, mask building, cache bookkeeping or output dataclasses: one
   decode step is ~25 tensor ops per layer;
-- q/k/v and gate/up projections are fused into one matmul each; the fused tensors are the
-  modules' own storage (`_fuse`), so `load_weights` updates them in place and no second copy
-  of the weights exists;
-- decode steps keep activations feature-major and multiply W @ x^T, the operand order MKL
-  runs fastest for few rows (`_project`);
-- the prefill packs the real prompt tokens (no compute on padding), uses matmul-softmax
-  attention for short prompts and only computes logits at each row's last prompt token;
-- a sequence that emitted EOS is dropped from the active batch (and its KV-cache rows with it),
-  so it costs no compute for the rest of the call.
+- q/k/v and gate/up are one matmul each over fused tensors that are the modules' own storage
+  (`_fuse`), so `update_weights` updates them in place and no second copy of the weights exists;
+- decode steps keep activations feature-major and multiply W @ x^T, the operand order MKL runs
+  faster for few rows (`_project`);
+- the prefill packs the real prompt tokens (no compute on padding), computes rows that share a
+  prompt once, uses matmul-softmax attention for short prompts and only computes logits at each
+  row's last prompt token;
+- a sequence that emitted a stop token leaves the active batch (with its KV-cache rows).
 
 Sampling is `sample_next_token` on the active rows, keyed by each row's own `sample_seed` and
 decode position, so a sequence's tokens do not depend on which batch it is decoded in.
-
 Only exactly supported configurations take this path (`fast_path_unsupported` says why not);
-`Generator` falls back to the HF forward otherwise.
+`rollout.backend=auto` uses the HF backend otherwise. The measurements behind each choice are
+in docs/performance.md, "Native decoder: design choices and their measurements".
 """
 
 from __future__ import annotations
@@ -30,7 +29,13 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from dagrl.engines.sampling import SamplingParams, sample_next_token, uniform_draws
+from dagrl.device import is_host
+from dagrl.rollout.sampling import (
+    SamplingParams,
+    logprob_temperature,
+    sample_next_token,
+    uniform_draws,
+)
 
 # Steps with fewer token rows than this run feature-major (see `_project`).
 WEIGHT_MAJOR_MAX_ROWS = 512
@@ -94,7 +99,7 @@ def _fuse(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tenso
     and make each module's parameter a view of its rows: [sum N_i, K] (and [sum N_i]).
 
     One matmul instead of several per step, with no second copy of the weights: updates to
-    the modules' parameters (`Generator.load_weights` copies in place) land in the fused
+    the modules' parameters (`ModelCopy.update_weights` copies in place) land in the fused
     tensor. The projections have a bias all or none (`fast_path_unsupported`).
     """
     def stack(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -125,21 +130,19 @@ class _LayerWeights:
 def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """F.linear: x [M, K] @ weight [N, K]^T (+ bias) -> [M, N], with MKL's faster operand order.
 
-    Few rows (decoding, M < WEIGHT_MAJOR_MAX_ROWS): computed as (W @ x^T)^T, which MKL's sgemm
-    runs 25-50% faster than x @ W^T on AVX2 with 2 threads (SmolLM2's matmuls 5.0 -> 3.9 s of a
-    16 x 64 rollout; a [64, 128] x [128, 1024] product 141 -> 69 us). The result is a transposed
-    view ("feature-major" memory): the decoder keeps its whole residual stream in that layout,
-    so elementwise ops never mix layouts. Many rows (prefill) keep F.linear, which is faster
-    there (1024 rows: 2.9 vs 3.4 ms for the e2e model's 4 projections). Both orders give the
-    same sums: the results equal F.linear's bit for bit on this build.
+    Few rows on the host CPU (decoding, M < WEIGHT_MAJOR_MAX_ROWS): computed as (W @ x^T)^T,
+    which MKL's sgemm runs faster than x @ W^T. The result is a transposed view
+    ("feature-major" memory): the decoder keeps its whole residual stream in that layout, so
+    elementwise ops never mix layouts. Many rows (prefill) keep F.linear, which is faster
+    there. Both orders give the same sums: the results equal F.linear's bit for bit on this
+    build. Measurements: docs/performance.md.
     """
     if x.shape[0] >= WEIGHT_MAJOR_MAX_ROWS or not _weight_major_pays(x):
         return F.linear(x, weight, bias)
     if weight.shape[0] <= WEIGHT_MAJOR_CHUNK_ROWS:
         out = torch.mm(weight, x.t())                                  # [N, M]
     else:
-        # A large weight in blocks of rows: 11.7 instead of 15.0 ms for SmolLM2's [49152, 576]
-        # LM head at 16 rows (same sums; MKL blocks one huge product less well).
+        # A large weight in blocks of rows: MKL blocks one huge product less well (same sums).
         out = x.new_empty(weight.shape[0], x.shape[0])
         for start in range(0, weight.shape[0], WEIGHT_MAJOR_CHUNK_ROWS):
             stop = start + WEIGHT_MAJOR_CHUNK_ROWS
@@ -152,9 +155,8 @@ def _lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Logits x [M, H] @ weight [V, H]^T -> [M, V] row-major (the sampler reduces over V).
 
     Decode-sized steps on CPU take `_project`'s W @ x^T order in blocks of vocabulary rows,
-    each block transposed into the row-major result while it is still in cache: SmolLM2's
-    [49152, 576] head at 16 rows 13.1 -> 12.3 ms against one transposing copy of the whole
-    [V, M] product (same values).
+    each block transposed into the row-major result while it is still in cache: faster than
+    one transposing copy of the whole [V, M] product, same values (docs/performance.md).
     """
     rows = x.shape[0]
     if rows >= WEIGHT_MAJOR_MAX_ROWS or not _weight_major_pays(x) \
@@ -170,19 +172,17 @@ def _lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _weight_major_pays(x: torch.Tensor) -> bool:
-    """The operand-order choice is measured on CPU (MKL); GPUs keep F.linear. (`is_cpu`, not
-    `device.type`: this runs ~10 times per decode step, and building a device object costs
-    0.5 us.)"""
-    return x.is_cpu
+    """The operand-order choice is measured on the host CPU (MKL); accelerators keep F.linear."""
+    return is_host(x)
 
 
 def _rms_norm(x: torch.Tensor, root_h_weight: torch.Tensor, h_eps: torch.Tensor) -> torch.Tensor:
     """RMSNorm over the last axis, x * rsqrt(mean x^2 + eps) * w, written as
     x * rsqrt(sum x^2 + H eps) * (sqrt(H) w) with `root_h_weight` = sqrt(H) w and `h_eps` =
-    H eps (a 0-dim tensor of x's dtype) precomputed: a sum is half the cost of a mean on these
+    H eps (a 0-dim tensor of x's dtype) precomputed: a sum is cheaper than a mean on these
     small tensors, and a tensor epsilon skips wrapping and casting a Python scalar on every
-    call (13.6 -> 10.5 us per decode-step norm, same values). The result keeps x's memory
-    layout; it differs from HF's by float rounding only."""
+    call (docs/performance.md). The result keeps x's memory layout; it differs from HF's by
+    float rounding only."""
     return x * (x * x).sum(-1, keepdim=True).add_(h_eps).rsqrt_() * root_h_weight
 
 
@@ -193,7 +193,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     HF's rotate_half(x) * sin = cat(-x2, x1) * sin = roll(x, hd/2) * cat(-sin1, sin2): the sign
     moves into the table (exact in floating point), saving the negation and the concatenation.
     `roll` writes a row-major result; on a feature-major x it runs on the permuted (contiguous)
-    view instead, so its result keeps x's layout (38 -> 23 us per e2e-model decode layer).
+    view instead, so its result keeps x's layout (faster; see docs/performance.md).
     """
     half = x.shape[-1] // 2
     if _is_feature_major(x):
@@ -221,8 +221,8 @@ class _Prefill:
     The attention itself runs padded, [A, heads, P, hd]: queries are scattered into a zero
     tensor and `bias` [A, 1, P, P] masks future and padding columns (pad query rows attend to
     themselves, so no softmax row is empty; their outputs are never gathered). Short prompts
-    use plain matmul-softmax-matmul (tiny and e2e models: 12% and 8% off the prefill against
-    SDPA's CPU kernel), long ones SDPA, which never holds the [A, heads, P, P] scores.
+    use plain matmul-softmax-matmul, faster than SDPA's CPU kernel there (docs/performance.md);
+    long ones SDPA, which never holds the [A, heads, P, P] scores.
     """
     row: torch.Tensor      # [M]
     col: torch.Tensor      # [M]
@@ -270,10 +270,9 @@ class _Decode:
         # One (row, KV head) pair per batch entry, [A*nkv, ...]; the query heads that share a
         # KV head fold into the query axis, so GQA needs no copy of the cache. Plain
         # matmul-softmax-matmul: for a one-token query SDPA's CPU kernel costs more per call
-        # than the math (~40% of a tiny-model decode step); baddbmm scales and adds the
-        # padding bias inside the product (two fewer ops per layer). Keys are cached
-        # transposed, so each batch entry's K^T is a plain row-major [hd, c] slice: the product
-        # costs 27 instead of 39 us on a tiny-model step.
+        # than the math; baddbmm scales and adds the padding bias inside the product (two fewer
+        # ops per layer). Keys are cached transposed, so each batch entry's K^T is a plain
+        # row-major [hd, c] slice, which makes the product faster (docs/performance.md).
         keys_t = k_cache[..., :self.col + 1].flatten(0, 1)               # [A*nkv, hd, c]
         values = v_cache[:, :, :self.col + 1].flatten(0, 1)              # [A*nkv, c, hd]
         scores = torch.baddbmm(self.bias, q.reshape(rows * nkv, nh // nkv, hd), keys_t,
@@ -355,8 +354,7 @@ class FastDecoder:
 
         x: [M, H] (feature-major in decode steps, see `_project`); cos/sin: [M, hd];
         k_cache: [L, A, nkv, hd, S] (transposed), v_cache: [L, A, nkv, S, hd]. Returns the
-        final hidden states [M, H] (before
-        the last norm).
+        final hidden states [M, H] (before the last norm).
         """
         tokens = x.shape[0]
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
@@ -378,14 +376,13 @@ class FastDecoder:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run the prompts (left-padded [B, P], `valid` their mask) through the model and fill a
         fresh KV cache of `length` columns. Returns (k_cache [L, B, nkv, hd, length] (keys are
-        cached transposed, see `_Decode`), v_cache [L, B, nkv, length, hd],
-        the logits of each row's next token [B, V]).
+        cached transposed, see `_Decode`), v_cache [L, B, nkv, length, hd], the logits of each
+        row's next token [B, V]).
 
         Rows holding the same prompt (GRPO's n samples of a prompt) are computed once and their
-        cache rows and logits copied: an 8-prompts x 8-samples batch prefills 8 rows, not 64
-        (e2e model: prefill 13.1 -> 4.5 ms, the 32-token rollout 99 -> 86 ms). A row's prefill
-        does not depend on the other rows, so only float rounding can differ (the matmuls see
-        fewer rows): the same tokens, log-probs within ~1e-6.
+        cache rows and logits copied: an 8-prompts x 8-samples batch prefills 8 rows, not 64.
+        A row's prefill does not depend on the other rows, so only float rounding can differ
+        (the matmuls see fewer rows); the measured difference is in docs/performance.md.
         """
         device = prompt_ids.device
         # One row per distinct prompt; padding is -1 in the key so it compares equal.
@@ -422,18 +419,27 @@ class FastDecoder:
                  sample_seed: torch.Tensor, params: SamplingParams, *, max_new_tokens: int,
                  min_new_tokens: int, stop_token_ids: Sequence[int], pad_token_id: int,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Sample one response per row, as `Generator.generate` specifies (see `_generate`).
+        """Sample one response per row, as `RolloutEngine.generate` specifies (see `_generate`).
 
         Decoding runs under `torch.inference_mode`, which skips autograd's per-op bookkeeping
-        (version counters, view tracking): 16% of a tiny-model decode. Its tensors may not
-        enter autograd later (the response mask multiplies the loss), so the three [B, R]
-        results are handed back as ordinary copies.
+        (version counters, view tracking; see docs/performance.md). Its tensors may not enter
+        autograd later (the response mask multiplies the loss), so the three [B, R] results are
+        handed back as ordinary copies.
         """
         with torch.inference_mode():
             out = self._generate(prompt_ids, prompt_mask, sample_seed, params,
                                  max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                                  stop_token_ids=stop_token_ids, pad_token_id=pad_token_id)
         return tuple(t.clone() for t in out)
+
+    def _key_bias(self, valid: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+        """key_bias[b, j, s]: 0 where column s may be attended to, -inf for prompt padding; the
+        same for each of the nkv KV heads j, so a decode step slices it as [A*nkv, 1, c].
+        valid: [B, P] -> [B, nkv, length]."""
+        batch, prompt_len = valid.shape
+        key_bias = torch.zeros(batch, length, dtype=dtype, device=valid.device)
+        key_bias[:, :prompt_len].masked_fill_(~valid, float("-inf"))
+        return key_bias[:, None].repeat(1, self.n_kv, 1)
 
     def _generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                   sample_seed: torch.Tensor, params: SamplingParams, *, max_new_tokens: int,
@@ -453,37 +459,21 @@ class FastDecoder:
         if batch == 0 or R == 0:
             return responses, torch.zeros(batch, R, device=device), logprobs
 
-        valid = prompt_mask.bool()
-        if not bool(valid[:, -1].all()):
-            bad = (~valid[:, -1]).nonzero().flatten().tolist()[:5]
-            raise ValueError(f"FastDecoder: prompt rows {bad} do not end in a real token; prompts "
-                             "must be left-padded and hold at least one token")
-        # Drop the prompt columns that are padding in every row: they change nothing.
-        first = int(valid.any(0).float().argmax())
-        prompt_ids, valid = prompt_ids[:, first:], valid[:, first:]
+        prompt_ids, valid = _trim_prompts(prompt_ids, prompt_mask)
         P = prompt_ids.shape[1]
         cos_table, sin_table = self._rope_tables(P + R, device)          # [P+R, hd]
 
         layers, embed, final_norm, lm_head = self._weights()
         k_cache, v_cache, logits = self._prefill(layers, embed, final_norm, lm_head, prompt_ids,
                                                  valid, cos_table, sin_table, P + R)
-        # key_bias[b, j, s]: 0 where column s may be attended to, -inf for prompt padding; the
-        # same for each of the nkv KV heads j, so a decode step slices it as [A*nkv, 1, c].
-        key_bias = torch.zeros(batch, P + R, dtype=embed.dtype, device=device)
-        key_bias[:, :P].masked_fill_(~valid, float("-inf"))
-        key_bias = key_bias[:, None].repeat(1, self.n_kv, 1)             # [B, nkv, P+R]
+        key_bias = self._key_bias(valid, P + R, embed.dtype)               # [B, nkv, P+R]
+        step_cos, step_sin = _step_tables(valid, cos_table, sin_table, R)  # [R, hd, B] each
 
         # The active batch: rows still decoding, as indices into the output rows (`None` while
         # it is every row: plain column writes then, not scatters).
         rows = None
         length = torch.full((batch,), R, dtype=torch.long, device=device)   # tokens per row
-        # Each row's RoPE rows for every decode step (positions continue the prompt), stored
-        # [R, hd, B]: step t's [A, hd] table is the transpose of a [hd, A] slice, which is the
-        # decoder's feature-major layout (see `_rope`) with no copy while no row has finished.
-        step_pos = valid.sum(-1, keepdim=True) + torch.arange(R, device=device)  # [B, R]
-        step_cos = cos_table[step_pos].permute(1, 2, 0).contiguous()
-        step_sin = sin_table[step_pos].permute(1, 2, 0).contiguous()
-        temperature = params.temperature if params.temperature > 0 else 1.0
+        temperature = logprob_temperature(params.temperature)
         # Every row's uniform draw for every position at once: [B, R] float64.
         draws = None if params.greedy else uniform_draws(sample_seed, 0, R)
         for t in range(R):
@@ -523,3 +513,26 @@ class FastDecoder:
             logits = self._logits(x, final_norm, lm_head)
         response_mask = (torch.arange(R, device=device) < length[:, None]).float()
         return responses, response_mask, logprobs
+
+
+def _trim_prompts(prompt_ids: torch.Tensor,
+                  prompt_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check that every row is left-padded (ends in a real token) and drop the columns that are
+    padding in every row (they change nothing): [B, P] -> ([B, P'], valid [B, P'] bool)."""
+    valid = prompt_mask.bool()
+    if not bool(valid[:, -1].all()):
+        bad = (~valid[:, -1]).nonzero().flatten().tolist()[:5]
+        raise ValueError(f"FastDecoder: prompt rows {bad} do not end in a real token; prompts "
+                         "must be left-padded and hold at least one token")
+    first = int(valid.any(0).float().argmax())
+    return prompt_ids[:, first:], valid[:, first:]
+
+
+def _step_tables(valid: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor,
+                 steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's RoPE rows for every decode step (positions continue the prompt), stored
+    [steps, hd, B]: step t's [A, hd] table is the transpose of a [hd, A] slice, which is the
+    decoder's feature-major layout (see `_rope`) with no copy while no row has finished."""
+    step_pos = valid.sum(-1, keepdim=True) + torch.arange(steps, device=valid.device)  # [B, R]
+    return (cos_table[step_pos].permute(1, 2, 0).contiguous(),
+            sin_table[step_pos].permute(1, 2, 0).contiguous())

@@ -1,8 +1,9 @@
-"""The role registry: what a DAG node of a given role *does*.
+"""The role registry: what a DAG node of a given role *does*, and what it may use.
 
 A role is a function `fn(ctx: NodeContext, batch: Batch) -> Batch` plus the engines (models)
-the worker must build for it. Built-in roles live in `dagrl/runtime/nodes.py`; a user adds one
-from their own module (listed in `dag.modules`) without touching the worker:
+the worker must build for it. Built-in roles live beside this file (one module per concern,
+listed in `roles/plan.py`); a user adds one from their own module (listed in `dag.modules`)
+without touching the worker:
 
     from dagrl import register_role
 
@@ -17,11 +18,21 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from dagrl.registry import Registry
+
+if TYPE_CHECKING:   # `from dagrl import register_role` stays light: no torch, no model code
+    import torch
+
+    from dagrl.config.schema import Config
+    from dagrl.dag.spec import NodeSpec
+    from dagrl.data.batch import Batch
+    from dagrl.engines.bundle import Engines
+    from dagrl.observe.metrics import StepMetrics
 
 # Engines a role may ask for; the worker builds the union over the nodes it runs.
 ENGINES = ("actor", "critic", "ref", "rollout", "reward")
@@ -52,11 +63,22 @@ def register_role(name: str, *, engines: Sequence[str] = (), trains: bool = Fals
     return decorator
 
 
-def load_builtin_roles() -> Registry[Role]:
-    """Import the module that registers the built-in roles (idempotent) and return ROLES."""
-    import dagrl.runtime.nodes  # noqa: F401  (registers on import)
-
-    return ROLES
+@dataclass
+class NodeContext:
+    """What a node function may use: the config, its node, the step, this worker's engines and
+    the step's metrics."""
+    config: Config
+    node: NodeSpec
+    step: int
+    rank: int
+    world_size: int
+    engines: Engines
+    metrics: StepMetrics
+    # Sums a tensor over the ranks running this node (identity on one rank): global statistics
+    # (whitening, KL, counts) come from reduced sums, never from moving the batch.
+    reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
+    # Runs the nodes before this one again on fresh prompts (DAPO's dynamic sampling).
+    more: Callable[[], Batch] | None = None
 
 
 def import_user_modules(modules: Sequence[str]) -> None:

@@ -1,0 +1,161 @@
+"""The one module that knows device types: CPU, CUDA GPUs and Ascend NPUs.
+
+Everything else in dagrl asks this module: which accelerator a worker uses, the collective
+backend that goes with it, its RNG state, its memory statistics, its profiler activities
+and the Ray resources a worker reserves.
+Adding a device type means changing this file only (`tests/test_layers.py` checks that no other
+library file names one).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from typing import Literal
+
+import numpy as np
+import torch
+
+# trainer.device: a device type, or "auto" for the best one present.
+DeviceChoice = Literal["auto", "cpu", "cuda", "npu"]
+
+HOST = "cpu"
+# Metrics and small Python objects always travel over gloo on the host, whatever the device.
+HOST_BACKEND = "gloo"
+BACKENDS = {HOST: HOST_BACKEND, "cuda": "nccl", "npu": "hccl"}
+# The Ray resource a node registers for each accelerator (Ascend nodes register "NPU").
+RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
+
+
+def npu_available() -> bool:
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    import torch_npu  # noqa: F401  (registers torch.npu)
+
+    return bool(torch.npu.is_available())
+
+
+def device_type(preference: str = "auto") -> str:
+    """'cpu' | 'cuda' | 'npu': the configured type, or the best one present for 'auto'."""
+    if preference == "auto":
+        if torch.cuda.is_available():
+            return "cuda"
+        return "npu" if npu_available() else HOST
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("trainer.device=cuda but torch sees no CUDA device")
+    if preference == "npu" and not npu_available():
+        raise RuntimeError("trainer.device=npu but torch_npu is not installed or sees no NPU")
+    return preference
+
+
+def host_device() -> torch.device:
+    return torch.device(HOST)
+
+
+def is_host(device: torch.device | str | torch.Tensor) -> bool:
+    """Whether `device` (or a tensor's device) is host memory."""
+    if isinstance(device, torch.Tensor):
+        return device.is_cpu
+    return torch.device(device).type == HOST
+
+
+def worker_device(kind: str, local_rank: int = 0) -> torch.device:
+    """The device of a worker: one accelerator per worker process, or the host."""
+    if kind == HOST:
+        return host_device()
+    module = getattr(torch, kind)
+    index = local_rank % module.device_count()
+    module.set_device(index)
+    return torch.device(kind, index)
+
+
+def collective_backend(kind: str) -> str:
+    return BACKENDS[kind]
+
+
+def fused_optimizer_supported(device: torch.device) -> bool:
+    """AdamW's fused kernel (one pass over all parameters) exists on the host and on CUDA."""
+    return device.type in (HOST, "cuda")
+
+
+def device_name(device: torch.device) -> str:
+    """The accelerator's marketing name (e.g. 'NVIDIA H100 80GB HBM3'); 'cpu' on the host."""
+    if is_host(device):
+        return HOST
+    return str(getattr(torch, device.type).get_device_name(device))
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new peak for `peak_memory_bytes` (no-op on the host)."""
+    if not is_host(device):
+        getattr(torch, device.type).reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    """Most device memory allocated by tensors since the last reset; None on the host."""
+    if is_host(device):
+        return None
+    return int(getattr(torch, device.type).max_memory_allocated(device))
+
+
+def profiler_for(kind: str):
+    """(profile, activities) for this device type: torch.profiler recording CPU (and CUDA)
+    activity, or torch_npu's profiler with the NPU activity on Ascend."""
+    if kind == "npu":
+        import torch_npu
+
+        prof = torch_npu.profiler
+        return prof.profile, [prof.ProfilerActivity.CPU, prof.ProfilerActivity.NPU]
+    from torch import profiler as prof
+
+    activities = [prof.ProfilerActivity.CPU]
+    if kind == "cuda":
+        activities.append(prof.ProfilerActivity.CUDA)
+    return prof.profile, activities
+
+
+def _accelerators() -> list[str]:
+    """Accelerator types whose RNG this process has started (their state is worth saving)."""
+    found = []
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        found.append("cuda")
+    if npu_available() and torch.npu.is_initialized():
+        found.append("npu")
+    return found
+
+
+def rng_state() -> dict:
+    """Every RNG this process draws from: torch (host and accelerators), numpy, python."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+             "python": random.getstate()}
+    for kind in _accelerators():
+        state[kind] = getattr(torch, kind).get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    for kind in RAY_RESOURCE:   # the accelerator types
+        if kind in state and (torch.cuda.is_available() if kind == "cuda" else npu_available()):
+            getattr(torch, kind).set_rng_state(state[kind])
+
+
+def ray_bundle(kind: str) -> dict[str, float]:
+    """The Ray placement-group bundle of one worker: a CPU, plus its accelerator."""
+    bundle = {"CPU": 1.0}
+    if kind in RAY_RESOURCE:
+        bundle[RAY_RESOURCE[kind]] = 1.0
+    return bundle
+
+
+def ray_actor_options(kind: str) -> dict:
+    """Resource options of one worker actor (`num_gpus` for CUDA so Ray sets the visible
+    devices; a custom resource for NPUs)."""
+    if kind == "cuda":
+        return {"num_cpus": 1, "num_gpus": 1}
+    if kind in RAY_RESOURCE:
+        return {"num_cpus": 1, "resources": {RAY_RESOURCE[kind]: 1}}
+    return {"num_cpus": 1}
+

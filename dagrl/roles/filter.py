@@ -1,0 +1,66 @@
+"""DAPO's dynamic sampling (`filter`): keep the groups whose rewards vary, generating again on
+fresh prompts (`ctx.more()`) until the batch is full. Every rank takes the same decisions from
+globally summed counts, so all ranks loop the same number of times; the balance task before
+the update evens out what each rank kept.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dagrl.algorithms.shaping import groups_with_variance
+from dagrl.data.batch import Batch
+from dagrl.roles.advantage import group_index
+from dagrl.roles.registry import NodeContext, register_role
+
+
+def _count_groups(batch: Batch) -> int:
+    return len(set(batch["uid"].tolist())) if len(batch) else 0
+
+
+@register_role("filter")
+def filter_groups(ctx: NodeContext, batch: Batch) -> Batch:
+    """DAPO dynamic sampling: keep groups whose rewards vary (a group that is all right or all
+    wrong has zero advantage and only dilutes the batch); generate again on fresh prompts until
+    data.train_batch_size groups are kept over all ranks, at most algorithm.filter_max_rounds
+    rounds. Every rank takes the same decisions, from globally summed counts."""
+    algo, target = ctx.config.algorithm, ctx.config.data.train_batch_size
+    kept = batch.select(groups_with_variance(batch["scores"], group_index(batch["uid"])))
+    generated = _count_groups(batch)
+    rounds = 1
+    while True:
+        counts = ctx.reduce_sum(torch.tensor([_count_groups(kept), generated], dtype=torch.float64))
+        total = int(counts[0])
+        if total >= target or rounds >= algo.filter_max_rounds or ctx.more is None:
+            break
+        fresh = ctx.more()
+        generated += _count_groups(fresh)
+        kept = Batch.concat([kept, fresh.select(groups_with_variance(
+            fresh["scores"], group_index(fresh["uid"])))])
+        rounds += 1
+    ctx.metrics.add_max("filter/rounds", rounds)
+    ctx.metrics.add_sum("filter/groups_kept", min(total, target))
+    ctx.metrics.add_mean("filter/keep_rate", float(counts[0]), float(counts[1]))
+    keep = target
+    if total < target:
+        if algo.filter_on_cap == "error" or total < ctx.world_size:
+            raise RuntimeError(
+                f"node {ctx.node.id!r}: only {total} of {target} groups had varying rewards after "
+                f"{rounds} generation round(s) (algorithm.filter_max_rounds="
+                f"{algo.filter_max_rounds}); raise it, or set algorithm.filter_on_cap=partial")
+        keep = total - total % ctx.world_size   # equal group counts per rank for the update
+        ctx.engines.log(f"filter: training on a partial batch of {keep}/{target} groups")
+    return _first_groups(ctx, kept, keep)
+
+
+def _first_groups(ctx: NodeContext, batch: Batch, keep: int) -> Batch:
+    """Keep the first `keep` groups of the global order (rank by rank)."""
+    mine = _count_groups(batch)
+    per_rank = torch.zeros(ctx.world_size, dtype=torch.float64)
+    per_rank[ctx.rank] = mine
+    per_rank = ctx.reduce_sum(per_rank)
+    before = int(per_rank[:ctx.rank].sum())
+    allowed = max(0, min(mine, keep - before))
+    uids = batch["uid"].tolist()
+    first = set(list(dict.fromkeys(uids))[:allowed])
+    return batch.select([i for i, u in enumerate(uids) if u in first])

@@ -1,0 +1,53 @@
+"""The `reward` role: score each response with the reward manager (rule scorers, user
+functions), add DAPO's overlong shaping when configured, and place the outcome reward on the
+last response token.
+
+Fields added for N samples, response width R: scores [N], token_level_scores [N, R].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dagrl.algorithms.shaping import overlong_penalty
+from dagrl.data.batch import Batch
+from dagrl.roles.registry import NodeContext, register_role
+
+
+def decode_responses(tokenizer, responses: torch.Tensor, mask: torch.Tensor) -> list[str]:
+    """The text of each response: [N, R] ids and mask -> N strings (special tokens dropped)."""
+    ids = [row[m.bool()].tolist() for row, m in zip(responses, mask, strict=True)]
+    return tokenizer.batch_decode(ids, skip_special_tokens=True)
+
+
+@register_role("reward", engines=("reward",))
+def reward(ctx: NodeContext, batch: Batch) -> Batch:
+    texts = decode_responses(ctx.engines.tokenizer, batch["responses"], batch["response_mask"])
+    sample_ids = [f"{uid}/{i}" for i, uid in enumerate(batch["uid"])]
+    result = ctx.engines.reward_manager.score(texts, batch["data_source"], batch["ground_truth"],
+                                             batch["extra_info"], sample_ids=sample_ids)
+    scores = torch.tensor(result.scores, dtype=torch.float32)
+    mask = batch["response_mask"]
+    r = ctx.config.reward
+    if r.overlong_buffer_len:
+        penalty = overlong_penalty(mask.sum(-1), max_len=ctx.config.rollout.max_new_tokens,
+                                   buffer_len=r.overlong_buffer_len,
+                                   penalty_factor=r.overlong_penalty_factor)
+        ctx.metrics.add_mean("reward/overlong_penalty", float(penalty.sum()), len(batch))
+        scores = scores + penalty
+    # The outcome reward sits on the last response token (token-level credit for PPO/GAE).
+    last = (mask.sum(-1).long() - 1).clamp(min=0)
+    token_scores = torch.zeros_like(mask)
+    token_scores[torch.arange(len(batch)), last] = scores
+    batch["scores"] = scores
+    batch["token_level_scores"] = token_scores * (mask.sum(-1, keepdim=True) > 0)
+    ctx.metrics.add_distribution("reward", scores)
+    ctx.metrics.add_sum("reward/errors", result.n_errors)
+    if result.first_error:
+        ctx.engines.log(f"reward: {result.n_errors} scorer failure(s) counted; first: "
+                        f"{result.first_error}")
+    for name, values in result.extra.items():
+        v = torch.tensor(values, dtype=torch.float64)
+        ok = ~torch.isnan(v)
+        ctx.metrics.add_mean(f"reward/{name}", float(v[ok].sum()), float(ok.sum()))
+    return batch

@@ -1,0 +1,69 @@
+"""`rollout.backend=hf`: batched KV-cache decoding with the Hugging Face model's own forward.
+
+Runs any HF causal LM, and is the reference the other backends are checked against (the same
+sampler, the same per-sample draws: greedy outputs are identical, sampled ones equal up to
+float rounding of the logits). One batched prefill serves every row (prompts are left-padded),
+then one token per step for the whole batch; a row that has stopped keeps decoding pad tokens
+(masked out) until every row is done or `max_new_tokens` is reached.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from dagrl.algorithms.utils import logprobs_from_logits
+from dagrl.rollout.base import GenerationOutput, ModelCopy, position_ids_from_mask
+from dagrl.rollout.sampling import SamplingParams, logprob_temperature, sample_next_token
+
+
+class HFRollout(ModelCopy):
+    """Generation through `model(...)` with a `DynamicCache` (see the module docstring)."""
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                 sample_seed: torch.Tensor, params: SamplingParams, *, max_new_tokens: int,
+                 min_new_tokens: int = 0) -> GenerationOutput:
+        """Sample one response per row. prompt_ids/prompt_mask: [B, P] left-padded;
+        sample_seed: [B]."""
+        device = prompt_ids.device
+        batch, _ = prompt_ids.shape
+        attention = prompt_mask.long()
+        positions = position_ids_from_mask(attention)
+        cache = DynamicCache()
+        out = self.model(input_ids=prompt_ids, attention_mask=attention, position_ids=positions,
+                         past_key_values=cache, use_cache=True)
+        logits = out.logits[:, -1, :].float()            # [B, V]
+        next_pos = positions[:, -1:] + 1                  # [B, 1]
+
+        responses = torch.full((batch, max_new_tokens), self.pad_token_id, dtype=torch.long,
+                               device=device)
+        logprobs = torch.zeros(batch, max_new_tokens, device=device)
+        mask = torch.zeros(batch, max_new_tokens, device=device)
+        alive = torch.ones(batch, dtype=torch.bool, device=device)
+        stop = torch.tensor(self.stop_token_ids, dtype=torch.long, device=device)
+        temperature = logprob_temperature(params.temperature)
+
+        for t in range(max_new_tokens):
+            allowed = logits
+            if t < min_new_tokens:
+                allowed = logits.clone()
+                allowed[:, stop] = float("-inf")
+            token = sample_next_token(allowed, params, sample_seed, t)
+            # The log-prob of the model's own distribution (not the EOS-masked one): it is the
+            # quantity the actor recomputes, so the two agree.
+            logp = logprobs_from_logits(logits / temperature, token)
+            token = torch.where(alive, token, torch.full_like(token, self.pad_token_id))
+            responses[:, t] = token
+            logprobs[:, t] = torch.where(alive, logp, torch.zeros_like(logp))
+            mask[:, t] = alive.float()
+            alive = alive & ~torch.isin(token, stop)
+            if not alive.any() or t == max_new_tokens - 1:
+                break
+            attention = torch.cat([attention, torch.ones(batch, 1, dtype=attention.dtype,
+                                                         device=device)], dim=1)
+            out = self.model(input_ids=token[:, None], attention_mask=attention,
+                             position_ids=next_pos, past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1, :].float()
+            next_pos = next_pos + 1
+        return GenerationOutput(responses=responses, response_mask=mask, logprobs=logprobs)

@@ -1,0 +1,85 @@
+"""The run directory: resolved, proven writable, and filled before any worker starts.
+
+`prepare_run` resolves the run directory, writes the resolved config there and materialises
+built-in artefacts (`builtin:` models and datasets) as ordinary files, so workers only ever
+load from disk. It runs on rank 0, which then hands the resolved config to the other ranks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from pathlib import Path
+
+from dagrl.config.loader import dump_yaml
+from dagrl.config.schema import Config
+from dagrl.data.makers import MAKERS
+from dagrl.engines.models import BUILTIN_PREFIX, resolve_builtin_model
+
+
+def resolve_run_dir(cfg: Config) -> Path:
+    if cfg.trainer.run_dir:
+        return Path(cfg.trainer.run_dir)
+    return Path("runs") / f"{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def materialize_builtins(cfg: Config, run_dir: Path) -> Config:
+    """Write `builtin:` models and datasets under run_dir and return the config pointing at them."""
+    m = cfg.model
+    model_path = resolve_builtin_model(m.path, run_dir / "artifacts",
+                                       hidden_size=m.tiny_hidden_size, layers=m.tiny_layers,
+                                       seed=cfg.trainer.seed)
+
+    def data_file(spec: str, key: str, split: str) -> str:
+        if not spec.startswith(BUILTIN_PREFIX):
+            return spec
+        name = spec[len(BUILTIN_PREFIX):]
+        if name not in MAKERS:
+            raise ValueError(f"data.{key}: unknown built-in dataset {spec!r}; choose one of "
+                             f"{', '.join(BUILTIN_PREFIX + k for k in MAKERS)}")
+        out = run_dir / "artifacts" / f"{name}-data"
+        path = out / f"{split}.parquet"
+        if not path.exists():
+            path = MAKERS[name](out, seed=cfg.trainer.seed)[split]
+        return str(path)
+
+    d = cfg.data
+    return dataclasses.replace(
+        cfg, model=dataclasses.replace(m, path=model_path),
+        data=dataclasses.replace(
+            d, train_files=[data_file(s, "train_files", "train") for s in d.train_files],
+            val_files=[data_file(s, "val_files", "test") for s in d.val_files]),
+        trainer=dataclasses.replace(cfg.trainer, run_dir=str(run_dir)))
+
+
+class RunDirError(OSError):
+    """The run directory cannot be created or written."""
+
+
+def check_writable(run_dir: Path) -> None:
+    """Create `run_dir` and prove a file can be written there, before any work is done."""
+    probe = run_dir / ".write-test"
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"ok")
+        probe.unlink()
+    except OSError as err:
+        raise RunDirError(f"trainer.run_dir={str(run_dir)!r} cannot be written "
+                          f"({err.strerror or err}); choose another directory") from err
+
+
+def prepare_run(cfg: Config) -> Config:
+    run_dir = resolve_run_dir(cfg)
+    check_writable(run_dir)
+    (run_dir / "config.yaml").write_text(dump_yaml(cfg))   # as the user configured it
+    resolved = materialize_builtins(cfg, run_dir)
+    (run_dir / "config.resolved.yaml").write_text(dump_yaml(resolved))
+    return resolved
+
+
+def write_pid_file(run_dir: Path, rank: int) -> None:
+    """`<run_dir>/workers/rank<r>.pid`: which process is which rank (to inspect or signal)."""
+    workers = run_dir / "workers"
+    workers.mkdir(exist_ok=True)
+    (workers / f"rank{rank}.pid").write_text(str(os.getpid()))
