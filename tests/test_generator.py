@@ -8,7 +8,7 @@ import torch
 
 from dagrl.data.dataset import encode_prompt
 from dagrl.engines.forward import response_logprobs
-from dagrl.rollout import BACKENDS, build_rollout
+from dagrl.rollout import MODEL_BACKENDS, model_rollout
 from dagrl.rollout.sampling import SamplingParams, filter_logits, mix_seed, uniform_draws
 
 
@@ -25,13 +25,13 @@ def left_padded(tokenizer, texts, width=12):
 PROMPTS = ["1+2=", "13+7=", "4+4=", "20+19=", "0+0="]
 
 
-@pytest.fixture(params=sorted(BACKENDS))
+@pytest.fixture(params=sorted(MODEL_BACKENDS))
 def backend(request):
     return request.param
 
 
 def test_greedy_matches_transformers_generate(backend, tiny_model, tokenizer):
-    gen = build_rollout(backend, tiny_model, eos_token_id=tokenizer.eos_token_id,
+    gen = model_rollout(backend, tiny_model, eos_token_id=tokenizer.eos_token_id,
                         pad_token_id=tokenizer.pad_token_id)
     ids, mask = left_padded(tokenizer, PROMPTS)
     ours = gen.generate(ids, mask, torch.zeros(len(PROMPTS), dtype=torch.long),
@@ -47,7 +47,7 @@ def test_greedy_matches_transformers_generate(backend, tiny_model, tokenizer):
 
 
 def test_sampled_logprobs_match_forward(backend, tiny_model, tokenizer):
-    gen = build_rollout(backend, tiny_model, eos_token_id=tokenizer.eos_token_id,
+    gen = model_rollout(backend, tiny_model, eos_token_id=tokenizer.eos_token_id,
                         pad_token_id=tokenizer.pad_token_id)
     ids, mask = left_padded(tokenizer, PROMPTS)
     seeds = mix_seed(0, 1, torch.arange(len(PROMPTS)), torch.zeros(len(PROMPTS), dtype=torch.long))
@@ -60,7 +60,7 @@ def test_sampled_logprobs_match_forward(backend, tiny_model, tokenizer):
 
 def test_sampling_is_per_sample_not_per_batch(backend, tiny_model, tokenizer):
     """A sequence draws the same tokens alone or inside a larger batch."""
-    gen = build_rollout(backend, tiny_model, eos_token_id=tokenizer.eos_token_id,
+    gen = model_rollout(backend, tiny_model, eos_token_id=tokenizer.eos_token_id,
                         pad_token_id=tokenizer.pad_token_id)
     ids, mask = left_padded(tokenizer, PROMPTS)
     seeds = mix_seed(7, 3, torch.arange(len(PROMPTS)), torch.zeros(len(PROMPTS), dtype=torch.long))
@@ -74,7 +74,7 @@ def test_sampling_is_per_sample_not_per_batch(backend, tiny_model, tokenizer):
 
 
 def test_min_new_tokens_and_eos_masking(backend, tiny_model, tokenizer):
-    gen = build_rollout(backend, tiny_model, eos_token_id=tokenizer.eos_token_id,
+    gen = model_rollout(backend, tiny_model, eos_token_id=tokenizer.eos_token_id,
                         pad_token_id=tokenizer.pad_token_id)
     ids, mask = left_padded(tokenizer, PROMPTS)
     out = gen.generate(ids, mask, torch.arange(len(PROMPTS)), SamplingParams(),

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "dagrl"
 
 # Lowest first; a module may import from its own layer and the layers before it.
 LAYERS = [
-    ["registry", "device"],
+    ["registry", "device", "extras"],
     ["config"],
     ["data"],
     ["dag"],

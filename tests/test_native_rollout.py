@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from dagrl.engines.forward import response_logprobs
 from dagrl.engines.models import load_model, load_tokenizer, write_tiny_model
-from dagrl.rollout import build_rollout
+from dagrl.rollout import model_rollout
 from dagrl.rollout import native_decoder as fast_generator
 from dagrl.rollout.hf import HFRollout
 from dagrl.rollout.native import NativeRollout
@@ -214,14 +214,14 @@ def test_unsupported_architectures_fall_back():
     plain = _random_model(LlamaConfig(**small))
     for model in (sliding, scaled, gelu):
         assert fast_path_unsupported(model) is not None
-        assert isinstance(build_rollout("auto", model, eos_token_id=2, pad_token_id=0), HFRollout)
+        assert isinstance(model_rollout("auto", model, eos_token_id=2, pad_token_id=0), HFRollout)
         with pytest.raises(ValueError, match="rollout.backend=hf"):
             NativeRollout(model, eos_token_id=2, pad_token_id=0)
         with pytest.raises(ValueError):
             FastDecoder(model)
     assert fast_path_unsupported(plain) is None
     # The fallback still generates.
-    gen = build_rollout("auto", sliding, eos_token_id=2, pad_token_id=0)
+    gen = model_rollout("auto", sliding, eos_token_id=2, pad_token_id=0)
     out = gen.generate(torch.tensor([[0, 5, 6], [7, 8, 9]]), torch.tensor([[0, 1, 1], [1, 1, 1]]),
                        torch.arange(2), SamplingParams(), max_new_tokens=4)
     assert out.responses.shape == (2, 4)

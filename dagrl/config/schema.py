@@ -75,6 +75,27 @@ class DataConfig:
 
 
 @dataclass
+class VLLMConfig:
+    """`rollout.backend=vllm` only (dagrl/rollout/vllm.py)."""
+    # Share of the GPU's memory vLLM may take (weights + KV cache); the trainer uses the rest.
+    # On the CPU vLLM reads it as the share of the NUMA node's memory, which must be free when
+    # the engine starts.
+    gpu_memory_utilization: float = 0.5
+    # On the CPU: GiB of KV cache.
+    cpu_kv_cache_gb: float = 1.0
+    # Reuse the KV of shared prompt prefixes (a GRPO group's samples share their prompt); the
+    # cache is reset after every weight sync.
+    enable_prefix_caching: bool = True
+    # Longest sequence vLLM plans for; 0: data.max_prompt_length + rollout.max_new_tokens.
+    max_model_len: int = 0
+
+    def __post_init__(self) -> None:
+        _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
+        _check(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb must be > 0")
+        _check(self.max_model_len >= 0, "max_model_len must be >= 0 (0: derived)")
+
+
+@dataclass
 class RolloutConfig:
     n: int = 8                      # samples per prompt (the GRPO group size)
     temperature: float = 1.0        # 0 means greedy
@@ -90,8 +111,9 @@ class RolloutConfig:
     val_temperature: float = 0.0
     # The generation backend (dagrl/rollout/): `native`, dagrl's decoder for Llama / Qwen2
     # models; `hf`, the model's own HF forward (any causal LM); `auto`, native when it supports
-    # the model, else hf.
-    backend: Literal["auto", "native", "hf"] = "auto"
+    # the model, else hf; `vllm`, vLLM's engine in the worker process (needs the vllm extra).
+    backend: Literal["auto", "native", "hf", "vllm"] = "auto"
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
     def __post_init__(self) -> None:
         _check(self.n > 0, "n must be > 0")
@@ -357,6 +379,14 @@ class Config:
         _check(self.actor.mini_batch_size % self.trainer.n_workers == 0,
                f"actor.mini_batch_size ({self.actor.mini_batch_size}) must be divisible by "
                f"trainer.n_workers ({self.trainer.n_workers})")
+        _check(self.rollout.backend != "vllm" or self.trainer.n_workers == 1,
+               "rollout.backend=vllm runs with trainer.n_workers=1 for now (one colocated "
+               "engine per worker process over several workers is not built yet)")
+        _check(self.rollout.backend != "vllm" or not self.model.gguf_file,
+               "rollout.backend=vllm loads model.path as a safetensors directory; export the "
+               "GGUF model to one first (model.gguf_file must be empty)")
+        _check(self.rollout.backend != "vllm" or self.model.dtype != "float64",
+               "rollout.backend=vllm has no float64 kernels; use model.dtype=float32 or bfloat16")
         _check(not (self.trainer.val_every or self.trainer.val_before_train)
                or bool(self.data.val_files),
                "trainer.val_every / trainer.val_before_train need data.val_files")

@@ -90,10 +90,8 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
                                       dp_group=dp_group)
     if "rollout" in needed:
         # Starts from the same checkpoint as the actor: nothing to sync before the first update.
-        engines.rollout = build_rollout(cfg.rollout.backend, load(),
-                                        eos_token_id=tokenizer.eos_token_id,
-                                        pad_token_id=tokenizer.pad_token_id,
-                                        stop_token_ids=cfg.rollout.stop_token_ids)
+        engines.rollout = build_rollout(cfg, load, device, eos_token_id=tokenizer.eos_token_id,
+                                        pad_token_id=tokenizer.pad_token_id)
     if "ref" in needed:
         ref = load().eval().requires_grad_(False)
         if cfg.actor.compile:

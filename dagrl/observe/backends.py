@@ -20,10 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dagrl.config.schema import LoggingConfig
-
-
-class MissingExtraError(ImportError):
-    """A selected logging backend whose library is not installed."""
+from dagrl.extras import MissingExtraError
 
 
 def require(module: str, extra: str):

@@ -4,39 +4,56 @@
     native   dagrl's decoder for Llama / Qwen2 models (native.py), runs anywhere
     hf       the Hugging Face model's own forward (hf.py): any causal LM, the reference
     auto     native when it supports the model, else hf (the default)
+    vllm     vLLM's engine in the worker process (vllm.py; the vllm extra)
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from dagrl.config.schema import Config
 from dagrl.rollout.base import GenerationOutput, RolloutEngine
 from dagrl.rollout.hf import HFRollout
 from dagrl.rollout.native import NativeRollout, unsupported_reason
 from dagrl.rollout.sampling import SamplingParams
+from dagrl.rollout.vllm import VLLMRollout, VLLMSettings  # imports vLLM only when built
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = {"native": NativeRollout, "hf": HFRollout}
+# Backends that generate with an in-process copy of the HF model.
+MODEL_BACKENDS = {"native": NativeRollout, "hf": HFRollout}
 
 
-def build_rollout(backend: str, model: torch.nn.Module, *, eos_token_id: int, pad_token_id: int,
+def model_rollout(backend: str, model: torch.nn.Module, *, eos_token_id: int, pad_token_id: int,
                   stop_token_ids: Sequence[int] = ()) -> RolloutEngine:
-    """The rollout engine `backend` over `model` (an inference copy it then owns)."""
+    """The `native`, `hf` or `auto` engine over `model` (an inference copy it then owns)."""
     if backend == "auto":
         reason = unsupported_reason(model)
         backend = "native" if reason is None else "hf"
         if reason is not None:
             logger.info("rollout.backend=auto: hf (the native decoder cannot run this model: %s)",
                         reason)
-    if backend not in BACKENDS:
-        raise ValueError(f"rollout.backend: unknown backend {backend!r}; choose auto, "
-                         f"{', '.join(BACKENDS)}")
-    return BACKENDS[backend](model, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                             stop_token_ids=stop_token_ids)
+    if backend not in MODEL_BACKENDS:
+        raise ValueError(f"rollout.backend: {backend!r} is not one of auto, "
+                         f"{', '.join(MODEL_BACKENDS)}")
+    return MODEL_BACKENDS[backend](model, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                                   stop_token_ids=stop_token_ids)
 
 
-__all__ = ["BACKENDS", "GenerationOutput", "RolloutEngine", "SamplingParams", "build_rollout"]
+def build_rollout(cfg: Config, load_model: Callable[[], torch.nn.Module], device: torch.device,
+                  *, eos_token_id: int, pad_token_id: int) -> RolloutEngine:
+    """The engine `rollout.backend` names. `load_model` gives a fresh copy of the policy (used
+    by the in-process backends; vLLM loads `model.path` itself)."""
+    stop = cfg.rollout.stop_token_ids
+    if cfg.rollout.backend == "vllm":
+        return VLLMRollout(VLLMSettings.from_config(cfg), device, eos_token_id=eos_token_id,
+                           pad_token_id=pad_token_id, stop_token_ids=stop)
+    return model_rollout(cfg.rollout.backend, load_model(), eos_token_id=eos_token_id,
+                         pad_token_id=pad_token_id, stop_token_ids=stop)
+
+
+__all__ = ["MODEL_BACKENDS", "GenerationOutput", "RolloutEngine", "SamplingParams",
+           "build_rollout", "model_rollout"]

