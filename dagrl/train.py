@@ -81,12 +81,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from dagrl.engines.models import TokenizerError
     from dagrl.extras import MissingExtraError
     from dagrl.rewards.manager import RewardError
+    from dagrl.rollout.server import ServerError
     from dagrl.runtime.checkpoint import CheckpointError
     from dagrl.runtime.ray_launcher import WorkerFailed
     from dagrl.runtime.run_dir import RunDirError
 
     return (DatasetError, TokenizerError, RewardError, CheckpointError, RunDirError, WorkerFailed,
-            MissingExtraError, FileNotFoundError, FloatingPointError)
+            MissingExtraError, ServerError, FileNotFoundError, FloatingPointError)
 
 
 if __name__ == "__main__":

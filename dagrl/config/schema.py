@@ -96,6 +96,30 @@ class VLLMConfig:
 
 
 @dataclass
+class ServerConfig:
+    """`rollout.backend=server` only (dagrl/rollout/server.py): OpenAI-compatible servers."""
+    # Base URLs, e.g. [http://127.0.0.1:8000]; requests are spread over them round-robin.
+    urls: list[str] = field(default_factory=list)
+    # The served model name; empty: the first one the server lists at /v1/models.
+    model: str = ""
+    timeout_s: float = 60.0
+    # Retries of a transient failure (connection refused/reset, timeout, HTTP 429/5xx).
+    max_retries: int = 3
+    # Requests in flight at once (over all servers).
+    max_concurrency: int = 16
+    # The servers' weights are not updated by training (dagrl drives no server weight
+    # endpoint yet): set true to accept a frozen rollout policy (evaluation, off-policy).
+    frozen_policy: bool = False
+
+    def __post_init__(self) -> None:
+        _check(all(u.startswith(("http://", "https://")) for u in self.urls),
+               "urls must be http:// or https:// base URLs")
+        _check(self.timeout_s > 0, "timeout_s must be > 0")
+        _check(self.max_retries >= 0, "max_retries must be >= 0")
+        _check(self.max_concurrency > 0, "max_concurrency must be > 0")
+
+
+@dataclass
 class RolloutConfig:
     n: int = 8                      # samples per prompt (the GRPO group size)
     temperature: float = 1.0        # 0 means greedy
@@ -112,8 +136,10 @@ class RolloutConfig:
     # The generation backend (dagrl/rollout/): `native`, dagrl's decoder for Llama / Qwen2
     # models; `hf`, the model's own HF forward (any causal LM); `auto`, native when it supports
     # the model, else hf; `vllm`, vLLM's engine in the worker process (needs the vllm extra).
-    backend: Literal["auto", "native", "hf", "vllm"] = "auto"
+    # `server`, OpenAI-compatible HTTP servers you run (rollout.server.*).
+    backend: Literal["auto", "native", "hf", "vllm", "server"] = "auto"
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
 
     def __post_init__(self) -> None:
         _check(self.n > 0, "n must be > 0")
@@ -387,6 +413,13 @@ class Config:
                "GGUF model to one first (model.gguf_file must be empty)")
         _check(self.rollout.backend != "vllm" or self.model.dtype != "float64",
                "rollout.backend=vllm has no float64 kernels; use model.dtype=float32 or bfloat16")
+        server = self.rollout.server
+        _check(self.rollout.backend != "server" or bool(server.urls),
+               "rollout.backend=server needs rollout.server.urls")
+        _check(self.rollout.backend != "server" or server.frozen_policy,
+               "rollout.backend=server cannot send the trained weights to the servers yet; set "
+               "rollout.server.frozen_policy=true to generate with their fixed weights "
+               "(evaluation, off-policy training)")
         _check(not (self.trainer.val_every or self.trainer.val_before_train)
                or bool(self.data.val_files),
                "trainer.val_every / trainer.val_before_train need data.val_files")

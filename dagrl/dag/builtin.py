@@ -34,9 +34,10 @@ def one_update_per_batch(cfg: Config) -> bool:
 def uses_old_logprob(cfg: Config) -> bool:
     """The old_logprob pass is needed unless pi_old = pi (see actor.skip_on_policy_old_logprob);
     a KL penalty in the reward reads pi_old before the update, so it always needs the pass. With
-    vLLM, whose numerics differ from the trainer's, pi_old is recomputed by the trainer."""
+    vLLM, whose numerics differ from the trainer's, and with servers, whose weights are frozen,
+    pi_old is recomputed by the trainer."""
     return (not cfg.actor.skip_on_policy_old_logprob or not one_update_per_batch(cfg)
-            or cfg.algorithm.kl_in_reward or cfg.rollout.backend == "vllm")
+            or cfg.algorithm.kl_in_reward or cfg.rollout.backend in ("vllm", "server"))
 
 
 def policy_graph(name: str, cfg: Config, *, greedy_baseline: bool = False,

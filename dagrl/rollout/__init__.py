@@ -5,6 +5,7 @@
     hf       the Hugging Face model's own forward (hf.py): any causal LM, the reference
     auto     native when it supports the model, else hf (the default)
     vllm     vLLM's engine in the worker process (vllm.py; the vllm extra)
+    server   OpenAI-compatible servers you run (server.py): vLLM or SGLang, frozen weights
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dagrl.rollout.base import GenerationOutput, RolloutEngine
 from dagrl.rollout.hf import HFRollout
 from dagrl.rollout.native import NativeRollout, unsupported_reason
 from dagrl.rollout.sampling import SamplingParams
+from dagrl.rollout.server import ServerRollout, ServerSettings
 from dagrl.rollout.vllm import VLLMRollout, VLLMSettings  # imports vLLM only when built
 
 logger = logging.getLogger(__name__)
@@ -46,8 +48,11 @@ def model_rollout(backend: str, model: torch.nn.Module, *, eos_token_id: int, pa
 def build_rollout(cfg: Config, load_model: Callable[[], torch.nn.Module], device: torch.device,
                   *, eos_token_id: int, pad_token_id: int) -> RolloutEngine:
     """The engine `rollout.backend` names. `load_model` gives a fresh copy of the policy (used
-    by the in-process backends; vLLM loads `model.path` itself)."""
+    by the in-process backends; vLLM loads `model.path` itself, servers hold their own)."""
     stop = cfg.rollout.stop_token_ids
+    if cfg.rollout.backend == "server":
+        return ServerRollout(ServerSettings.from_config(cfg), eos_token_id=eos_token_id,
+                             pad_token_id=pad_token_id, stop_token_ids=stop)
     if cfg.rollout.backend == "vllm":
         return VLLMRollout(VLLMSettings.from_config(cfg), device, eos_token_id=eos_token_id,
                            pad_token_id=pad_token_id, stop_token_ids=stop)

@@ -1,0 +1,147 @@
+"""`rollout.backend=server`: generation by OpenAI-compatible HTTP servers the user runs (vLLM's
+`vllm serve`, SGLang), through their `/v1/completions` endpoint with token-id prompts.
+
+- Requests: one per sample (its `sample_seed` as the request seed), at most
+  `rollout.server.max_concurrency` in flight, spread round-robin over `rollout.server.urls`.
+  A transient failure (connection refused or reset, a timeout, HTTP 429/5xx) is retried up to
+  `max_retries` times with exponential backoff; anything else, or the last failure, is an
+  error naming the URL.
+- Token ids come back through `return_token_ids` (vLLM; SGLang's OpenAI server accepts the
+  same field); log-probs are the server's (start `vllm serve` with
+  `--logprobs-mode processed_logprobs` for log softmax(z / T)).
+- Weights: these servers take new weights only through endpoints of their own (disk reloads,
+  NCCL groups), which dagrl does not drive yet. So the server's policy is frozen: a server
+  backend is only built with `rollout.server.frozen_policy=true`, for evaluation or
+  off-policy training against a fixed policy; `update_weights` still consumes the gathered
+  weights (every rank must take part in the all-gathers) and keeps `weights_version` at 0.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from dagrl.config.schema import Config
+from dagrl.rollout.base import GenerationOutput, stop_tokens
+from dagrl.rollout.sampling import SamplingParams
+
+TRANSIENT_HTTP = {429, 500, 502, 503, 504}
+
+
+class ServerError(RuntimeError):
+    """A rollout server failed or could not be reached; the message names the URL."""
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    urls: tuple[str, ...]
+    model: str
+    timeout_s: float
+    max_retries: int
+    max_concurrency: int
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> ServerSettings:
+        s = cfg.rollout.server
+        return cls(tuple(u.rstrip("/") for u in s.urls), s.model, s.timeout_s, s.max_retries,
+                   s.max_concurrency)
+
+
+def _post(url: str, body: dict, timeout_s: float, max_retries: int) -> dict:
+    """POST JSON, retrying transient failures with backoff 0.5, 1, 2, ... s."""
+    data = json.dumps(body).encode()
+    for attempt in range(max_retries + 1):
+        request = urllib.request.Request(url, data=data,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                return json.loads(response.read())
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode(errors="replace")[:300]
+            if err.code not in TRANSIENT_HTTP or attempt == max_retries:
+                raise ServerError(f"rollout server {url}: HTTP {err.code}: {detail}") from err
+        except (urllib.error.URLError, TimeoutError, ConnectionError) as err:
+            if attempt == max_retries:
+                raise ServerError(f"rollout server {url} unreachable after {attempt + 1} "
+                                  f"attempt(s) ({getattr(err, 'reason', err)}); check "
+                                  "rollout.server.urls") from err
+        time.sleep(0.5 * 2 ** attempt)
+    raise AssertionError("unreachable")
+
+
+class ServerRollout:
+    """The server backend (see the module docstring)."""
+
+    def __init__(self, settings: ServerSettings, *, eos_token_id: int, pad_token_id: int,
+                 stop_token_ids: Sequence[int] = ()) -> None:
+        self.settings = settings
+        self.pad_token_id = pad_token_id
+        self.stop_token_ids = stop_tokens(eos_token_id, stop_token_ids)
+        self.weights_version = 0
+        self.served_model = settings.model or self._served_model(settings.urls[0])
+        self._pool = ThreadPoolExecutor(max_workers=settings.max_concurrency)
+
+    def _served_model(self, url: str) -> str:
+        """The first model the server lists (its `--served-model-name`)."""
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models",
+                                        timeout=self.settings.timeout_s) as response:
+                return json.loads(response.read())["data"][0]["id"]
+        except (urllib.error.URLError, TimeoutError, ConnectionError, KeyError,
+                IndexError, ValueError) as err:
+            raise ServerError(f"rollout server {url}: cannot list its models at /v1/models "
+                              f"({getattr(err, 'reason', err)}); check rollout.server.urls or "
+                              "set rollout.server.model") from err
+
+    def _request(self, url: str, prompt: list[int], seed: int, params: SamplingParams,
+                 max_new_tokens: int, min_new_tokens: int) -> tuple[list[int], list[float]]:
+        body = {"model": self.served_model, "prompt": prompt, "max_tokens": max_new_tokens,
+                "min_tokens": min_new_tokens, "temperature": params.temperature,
+                "top_p": params.top_p, "top_k": params.top_k or -1, "seed": seed,
+                "stop_token_ids": self.stop_token_ids, "logprobs": 0,
+                "return_token_ids": True, "skip_special_tokens": False}
+        choice = _post(f"{url}/v1/completions", body, self.settings.timeout_s,
+                       self.settings.max_retries)["choices"][0]
+        ids = list(choice.get("token_ids") or [])
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs") or []
+        if len(logprobs) != len(ids):
+            raise ServerError(f"rollout server {url}: {len(ids)} token ids but {len(logprobs)} "
+                              "log-probs in the reply (does it support return_token_ids?)")
+        return ids, [float(x) for x in logprobs]
+
+    def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                 sample_seed: torch.Tensor, params: SamplingParams, *, max_new_tokens: int,
+                 min_new_tokens: int = 0) -> GenerationOutput:
+        """One request per row: prompts [B, P] left-padded."""
+        batch = prompt_ids.shape[0]
+        prompts = [row[mask.bool()].tolist()
+                   for row, mask in zip(prompt_ids.cpu(), prompt_mask.cpu(), strict=True)]
+        urls = itertools.cycle(self.settings.urls)
+        futures = [self._pool.submit(self._request, next(urls), prompt, int(seed), params,
+                                     max_new_tokens, min_new_tokens)
+                   for prompt, seed in zip(prompts, sample_seed.cpu().tolist(), strict=True)]
+        responses = torch.full((batch, max_new_tokens), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(batch, max_new_tokens)
+        logprobs = torch.zeros(batch, max_new_tokens)
+        for i, future in enumerate(futures):
+            ids, lps = future.result()
+            n = min(len(ids), max_new_tokens)
+            responses[i, :n] = torch.tensor(ids[:n], dtype=torch.long)
+            mask[i, :n] = 1.0
+            logprobs[i, :n] = torch.tensor(lps[:n])
+        device = prompt_ids.device
+        return GenerationOutput(responses.to(device), mask.to(device), logprobs.to(device))
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       version: int) -> None:
+        """Frozen policy: take part in the gather, keep the server's weights (version 0)."""
+        for _ in named_tensors:
+            pass
