@@ -14,6 +14,7 @@ from dagrl.rollout.hf import HFRollout
 from dagrl.rollout.native import NativeRollout
 from dagrl.rollout.native_decoder import FastDecoder, fast_path_unsupported
 from dagrl.rollout.sampling import SamplingParams, mix_seed
+from tests.prompts import left_padded
 
 PROMPTS = ["1+2=", "13+7=", "4+4=", "20+19=", "0+0=", "99*9=", "a", "abc+def=xyz"]
 
@@ -27,14 +28,7 @@ def family_dir(request, tmp_path_factory):
 def setup(family_dir):
     """(model, tokenizer, prompt ids [B, 14], prompt mask [B, 14]) with left padding."""
     model, tok = load_model(str(family_dir)), load_tokenizer(str(family_dir))
-    width = 14
-    ids = torch.full((len(PROMPTS), width), tok.pad_token_id)
-    mask = torch.zeros(len(PROMPTS), width, dtype=torch.long)
-    for i, text in enumerate(PROMPTS):
-        toks = [tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"]
-        ids[i, width - len(toks):] = torch.tensor(toks)
-        mask[i, width - len(toks):] = 1
-    return model, tok, ids, mask
+    return (model, tok, *left_padded(tok, PROMPTS, width=14))
 
 
 def generators(model, tok) -> tuple[NativeRollout, HFRollout]:

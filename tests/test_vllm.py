@@ -23,6 +23,7 @@ from dagrl.rollout.hf import HFRollout
 from dagrl.rollout.sampling import SamplingParams, mix_seed
 from dagrl.runtime.run_dir import prepare_run
 from dagrl.runtime.worker import Worker
+from tests.prompts import left_padded
 
 pytestmark = pytest.mark.vllm
 
@@ -50,15 +51,7 @@ def engine(model_dir):
 
 @pytest.fixture(scope="module")
 def prompts(model_dir):
-    tok = load_tokenizer(str(model_dir))
-    width = 10
-    ids = torch.full((len(PROMPTS), width), tok.pad_token_id)
-    mask = torch.zeros(len(PROMPTS), width, dtype=torch.long)
-    for i, text in enumerate(PROMPTS):
-        toks = [tok.bos_token_id] + tok(text, add_special_tokens=False)["input_ids"]
-        ids[i, width - len(toks):] = torch.tensor(toks)
-        mask[i, width - len(toks):] = 1
-    return ids, mask
+    return left_padded(load_tokenizer(str(model_dir)), PROMPTS, width=10)
 
 
 def _hf(model, model_dir):
