@@ -61,6 +61,28 @@ def stop_tokens(eos_token_id: int, extra: Sequence[int]) -> list[int]:
     return list(dict.fromkeys([eos_token_id, *extra]))
 
 
+def unpadded_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
+    """Each row's real prompt tokens, for engines that take token-id lists: [B, P] -> B lists."""
+    return [row[mask.bool()].tolist()
+            for row, mask in zip(prompt_ids.cpu(), prompt_mask.cpu(), strict=True)]
+
+
+def padded_output(tokens: Sequence[Sequence[int]], logprobs: Sequence[Sequence[float]],
+                  max_new_tokens: int, pad_token_id: int,
+                  device: torch.device) -> GenerationOutput:
+    """Per-sample token and log-prob lists -> the fixed-width, right-padded GenerationOutput."""
+    batch = len(tokens)
+    responses = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long)
+    mask = torch.zeros(batch, max_new_tokens)
+    out_logprobs = torch.zeros(batch, max_new_tokens)
+    for i, (ids, lps) in enumerate(zip(tokens, logprobs, strict=True)):
+        n = min(len(ids), max_new_tokens)
+        responses[i, :n] = torch.tensor(list(ids[:n]), dtype=torch.long)
+        mask[i, :n] = 1.0
+        out_logprobs[i, :n] = torch.tensor(list(lps[:n]), dtype=torch.float32)
+    return GenerationOutput(responses.to(device), mask.to(device), out_logprobs.to(device))
+
+
 class ModelCopy:
     """A backend that generates with an in-process HF model (native and hf): holds the model
     and copies new weights into its parameters in place, so no second copy is ever made."""

