@@ -124,3 +124,10 @@ def test_tail_pad_fills_the_last_batch_from_the_next_epoch(arith_files, tokenize
     assert set(epoch0[:400]) == set(range(400))             # every row of the epoch is used
     assert epoch0[400:] == loader.epoch_order(1)[:16].tolist()   # padded from the next order
     assert loader.epoch == 1 and loader.batch_in_epoch == 0
+
+
+def test_reading_a_row_past_the_end_names_the_files_and_their_size(arith_files):
+    source = ParquetPrompts([arith_files["test"]], "prompt")
+    with pytest.raises(IndexError, match=rf"rows \[{len(source)}\] do not exist: .*test.parquet "
+                                         rf"hold {len(source)} rows"):
+        source.read([0, len(source)])

@@ -128,6 +128,10 @@ class ParquetPrompts:
 
     def read(self, indices: Sequence[int]) -> list[dict]:
         """Rows at the given global indices, in that order; reads only their row groups."""
+        bad = [int(i) for i in indices if not 0 <= int(i) < len(self)]
+        if bad:
+            raise IndexError(f"rows {bad[:5]} do not exist: {', '.join(self.files)} hold "
+                             f"{len(self)} rows (0..{len(self) - 1})")
         out = []
         for idx in indices:
             gpos = int(np.searchsorted(self._starts, idx, side="right")) - 1
