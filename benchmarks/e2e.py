@@ -105,14 +105,14 @@ def compare(ours: dict, theirs: dict) -> dict:
 
 def write_workload(root: Path) -> tuple[Path, Path]:
     """The model directory and the prompt parquet both sides read; checks the model is the
-    issue's (write_tiny_model's builtin shape, which derives intermediate = 4 * hidden)."""
+    issue's (write_tiny_model derives intermediate = 4 * hidden)."""
     from transformers import AutoConfig
 
     from dagrl.data.makers import make_arith
     from dagrl.engines.models import write_tiny_model
 
     model = write_tiny_model(root / "model", "tiny-qwen2", hidden_size=HIDDEN, layers=LAYERS,
-                             seed=0)
+                             seed=0, heads=HEADS, kv_heads=KV_HEADS)
     c = AutoConfig.from_pretrained(model, local_files_only=True)
     got = (c.model_type, c.hidden_size, c.num_hidden_layers, c.num_attention_heads,
            c.num_key_value_heads, c.intermediate_size, c.tie_word_embeddings)

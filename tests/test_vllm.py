@@ -5,7 +5,8 @@
 Greedy outputs equal the hf backend's, sampled log-probs agree with the actor's
 recomputation, weights changed by an update reach vLLM, a sample draws the same tokens in any
 batch, and a short GRPO run trains through it. One engine per module (each start takes
-20-40 s); vLLM's CPU attention needs a head size of 32 or more: hidden 128, 4 heads.
+20-40 s). The model is the default tiny one (head size 32, the smallest vLLM's CPU attention
+runs).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dagrl.rollout.hf import HFRollout
 from dagrl.rollout.sampling import SamplingParams, mix_seed
 from dagrl.runtime.run_dir import prepare_run
 from dagrl.runtime.worker import Worker
+from tests.dist_helpers import run_distributed
 from tests.prompts import left_padded
 
 pytestmark = pytest.mark.vllm
@@ -34,7 +36,7 @@ SMALL_ENGINE = ["rollout.vllm.gpu_memory_utilization=0.2", "rollout.vllm.cpu_kv_
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return write_tiny_model(tmp_path_factory.mktemp("vllm") / "tiny", "tiny-qwen2",
-                            hidden_size=128, layers=2, seed=0)
+                            layers=2, seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -106,22 +108,53 @@ def test_sampled_logprobs_match_the_actor_and_samples_own_their_draws(engine, mo
         assert alone.responses[0].tolist() == out.responses[i].tolist()
 
 
-def test_grpo_trains_with_the_vllm_backend(engine, model_dir, tmp_path):
+GRPO_RUN = ["rollout.backend=vllm", "trainer.total_steps=12", "logging.progress_bar=false",
+            "logging.console_every=1000", *SMALL_ENGINE]
+COMPARED = ["reward/mean", "response/length/mean", "actor/pg_loss", "actor/grad_norm"]
+
+
+@pytest.fixture(scope="module")
+def one_worker_grpo(engine, tmp_path_factory):
+    """A 12-step GRPO run of the default task through vLLM on one worker: (worker, history)."""
     del engine   # (module order: the fixture's engine exists; this run builds its own)
-    cfg = load_config(Config, None, [
-        f"trainer.run_dir={tmp_path / 'run'}", "rollout.backend=vllm",
-        "model.tiny_hidden_size=128", "trainer.total_steps=12", "trainer.torch_threads=2",
-        "logging.progress_bar=false", "logging.console_every=1000", *SMALL_ENGINE])
+    run_dir = tmp_path_factory.mktemp("grpo") / "run"
+    cfg = load_config(Config, None, [f"trainer.run_dir={run_dir}", "trainer.torch_threads=2",
+                                     *GRPO_RUN])
     worker = Worker(prepare_run(cfg))
+    return worker, worker.train()
+
+
+def test_grpo_trains_with_the_vllm_backend(one_worker_grpo):
+    worker, history = one_worker_grpo
     assert type(worker.engines.rollout).__name__ == "VLLMRollout"
     assert "old_logprob" in worker.graph.roles   # pi_old recomputed by the trainer
-    history = worker.train()
     assert len(history) == 12 and worker.engines.rollout.weights_version == 12
     for step in history:
         # vLLM's log-probs against the trainer's recomputation (the old_logprob pass runs)
         assert step["actor/rollout_logprob_gap"] <= 0.02, step["actor/rollout_logprob_gap"]
         assert math.isfinite(step["actor/pg_loss"]) and step["timing/weight_sync_s"] >= 0
     assert history[-1]["timing/weight_sync_s"] > 0
+
+
+def _two_worker_grpo(rank: int, world: int, run_dir: str) -> list[dict]:
+    from dagrl.runtime.process import run_worker_from_env
+
+    return run_worker_from_env(load_config(Config, None, [
+        f"trainer.run_dir={run_dir}", "trainer.torch_threads=1", f"trainer.n_workers={world}",
+        *GRPO_RUN]))
+
+
+def test_two_workers_with_their_own_engines_reproduce_one_worker(one_worker_grpo, tmp_path):
+    # Each worker's engine generates its shard; vLLM joins dagrl's process group
+    # (external_launcher). A sample draws the same tokens on any rank, so the run is the
+    # one-worker run up to float reduction order.
+    _, one = one_worker_grpo
+    two = run_distributed(_two_worker_grpo, 2, str(tmp_path / "two"), timeout=600)[0]
+    assert len(two) == len(one)
+    for a, b in zip(two, one, strict=True):
+        for key in COMPARED:
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), (a["step"], key)
+        assert a["actor/rollout_logprob_gap"] <= 0.02
 
 
 @pytest.fixture(scope="module")

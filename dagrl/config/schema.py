@@ -405,9 +405,6 @@ class Config:
         _check(self.actor.mini_batch_size % self.trainer.n_workers == 0,
                f"actor.mini_batch_size ({self.actor.mini_batch_size}) must be divisible by "
                f"trainer.n_workers ({self.trainer.n_workers})")
-        _check(self.rollout.backend != "vllm" or self.trainer.n_workers == 1,
-               "rollout.backend=vllm runs with trainer.n_workers=1 for now (one colocated "
-               "engine per worker process over several workers is not built yet)")
         _check(self.rollout.backend != "vllm" or not self.model.gguf_file,
                "rollout.backend=vllm loads model.path as a safetensors directory; export the "
                "GGUF model to one first (model.gguf_file must be empty)")

@@ -63,11 +63,15 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_model_config(family: str, vocab_size: int, hidden_size: int, layers: int,
-                      max_positions: int = 256):
-    """Config of a small randomly initialised Qwen2 or Llama causal LM (GQA, tied embeddings)."""
+                      max_positions: int = 256, heads: int = 2, kv_heads: int = 1):
+    """Config of a small randomly initialised Qwen2 or Llama causal LM (GQA, tied embeddings).
+
+    By default two query heads share one key/value head: head size hidden/2, 32 at the
+    default width, the smallest vLLM's CPU attention runs (so rollout.backend=vllm works on
+    the default task)."""
     common = {
         "vocab_size": vocab_size, "hidden_size": hidden_size, "intermediate_size": 4 * hidden_size,
-        "num_hidden_layers": layers, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
         "max_position_embeddings": max_positions, "tie_word_embeddings": True,
         "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
     }
@@ -79,7 +83,7 @@ def tiny_model_config(family: str, vocab_size: int, hidden_size: int, layers: in
 
 
 def write_tiny_model(out_dir: str | Path, family: str = "tiny-qwen2", *, hidden_size: int = 64,
-                     layers: int = 2, seed: int = 0) -> Path:
+                     layers: int = 2, seed: int = 0, heads: int = 2, kv_heads: int = 1) -> Path:
     """Write a seeded tiny model and its character tokenizer as a HF directory; returns it.
 
     Written into a temporary sibling directory and renamed into place, so a crash never leaves
@@ -87,7 +91,8 @@ def write_tiny_model(out_dir: str | Path, family: str = "tiny-qwen2", *, hidden_
     """
     out_dir = Path(out_dir)
     tokenizer = build_char_tokenizer()
-    config = tiny_model_config(family, len(tokenizer), hidden_size, layers)
+    config = tiny_model_config(family, len(tokenizer), hidden_size, layers, heads=heads,
+                               kv_heads=kv_heads)
     hf_logging.disable_progress_bar()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -43,3 +43,8 @@ def plan_for(cfg: Config, world_size: int) -> tuple[GraphSpec, list[str], list[R
     order = validate_graph(graph, ROLES)
     trains = frozenset(name for name in ROLES if ROLES.get(name).trains)
     return graph, order, make_plan(graph, order, world_size, trains)
+
+
+def engines_of(plan: RankPlan) -> set[str]:
+    """The engines (dagrl.roles.registry.ENGINES names) the nodes of one rank's plan use."""
+    return {e for t in plan.tasks if t.kind == "node" for e in ROLES.get(t.role).engines}

