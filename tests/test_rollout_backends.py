@@ -68,3 +68,22 @@ def test_greedy_outputs_are_equal_on_trained_weights(trained):
     assert outs[0].response_mask.sum() > len(batch)   # not all stopped at the first token
     # Log-probs are stored in float32 by both backends: equal up to that rounding.
     torch.testing.assert_close(outs[0].logprobs, outs[1].logprobs, rtol=1e-6, atol=1e-6)
+
+
+def test_vllm_over_several_workers_needs_the_rollout_node_on_every_rank(tmp_path):
+    # vLLM's engines join the process group together: a rank without one would hang the rest.
+    from dagrl.roles.plan import plan_for
+    from dagrl.runtime.worker import _check_rollout_on_every_rank
+
+    graph = tmp_path / "g.yaml"
+    graph.write_text("name: g\nnodes:\n"
+                     "  - {id: rollout, role: rollout, options: {ranks: [0]}}\n"
+                     "  - {id: reward, role: reward, deps: [rollout]}\n"
+                     "  - {id: advantage, role: advantage, deps: [reward]}\n"
+                     "  - {id: actor_update, role: actor_update, deps: [advantage]}\n")
+    cfg = load_config(Config, None, ["rollout.backend=vllm", "trainer.n_workers=2",
+                                     f"dag.graph={graph}", "algorithm.kl_loss_coef=0"])
+    with pytest.raises(ValueError, match=r"rollout node on every rank; ranks \[1\]"):
+        _check_rollout_on_every_rank(plan_for(cfg, 2)[2])
+    everywhere = load_config(Config, None, ["rollout.backend=vllm", "trainer.n_workers=2"])
+    _check_rollout_on_every_rank(plan_for(everywhere, 2)[2])   # the built-in graph: fine
