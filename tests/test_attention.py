@@ -104,6 +104,11 @@ for step in range(6):                  # six "steps": 8 activations of 5 MiB, th
     del acts
     out["faults"].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before[1])
 out["free_kept_mib"] = libc.mallinfo2().fordblks / MiB   # freed bytes still in the heap
+from dagrl.engines.host_memory import release_freed_memory
+from dagrl.observe.memory import host_rss_bytes
+rss = host_rss_bytes()
+release_freed_memory()                 # trainer.trim_host_memory, between two nodes
+out["released_mib"] = (rss - host_rss_bytes()) / MiB
 print(json.dumps(out))
 """
 
@@ -132,3 +137,5 @@ def test_keep_freed_memory_reuses_pages():
     assert kept["mapped_mib"] < 5, f"blocks under 32 MiB still mmapped with the setting: {kept}"
     assert kept["free_kept_mib"] >= 40, f"freed activations handed back to the OS: {kept}"
     assert sum(kept["faults"][3:]) < 1000, f"later steps faulted their pages in again: {kept}"
+    # ... until released between nodes: the kept 40 MiB go back to the OS.
+    assert kept["released_mib"] >= 30, f"malloc_trim returned too little: {kept}"

@@ -179,6 +179,14 @@ class ActorConfig(OptimConfig):
     mini_batch_size: int = 32
     # Samples per forward/backward on one worker; gradients accumulate over micro-batches.
     micro_batch_size: int = 64
+    # Response tokens whose [tokens, vocab] logits are computed at once in a teacher-forced
+    # pass (the LM head runs in chunks, recomputed in backward): bounds the logits memory,
+    # e.g. 1024 x 49152 x 4 B = 0.2 GB for SmolLM2 instead of a whole micro-batch's. 0: all.
+    logits_chunk_tokens: int = 1024
+    # Keep only each decoder layer's input during the update's forward and recompute the layer
+    # in backward (transformers' activation checkpointing): the saved activations shrink from
+    # every layer's intermediates to one hidden state per layer, for about one more forward.
+    activation_checkpointing: bool = False
     ppo_epochs: int = 1
     # When a batch gets exactly one optimizer step (ppo_epochs=1, mini_batch_size =
     # data.train_batch_size) and no KL penalty is folded into the reward, the policy that
@@ -196,6 +204,7 @@ class ActorConfig(OptimConfig):
         super().__post_init__()
         _check(self.mini_batch_size > 0, "mini_batch_size must be > 0")
         _check(self.micro_batch_size > 0, "micro_batch_size must be > 0")
+        _check(self.logits_chunk_tokens >= 0, "logits_chunk_tokens must be >= 0 (0: no chunks)")
         _check(self.ppo_epochs > 0, "ppo_epochs must be > 0")
 
 
@@ -219,9 +228,11 @@ class CriticConfig(OptimConfig):
 @dataclass
 class RefConfig:
     micro_batch_size: int = 64      # samples per forward pass of the reference model
+    logits_chunk_tokens: int = 1024     # as actor.logits_chunk_tokens
 
     def __post_init__(self) -> None:
         _check(self.micro_batch_size > 0, "micro_batch_size must be > 0")
+        _check(self.logits_chunk_tokens >= 0, "logits_chunk_tokens must be >= 0 (0: no chunks)")
 
 
 @dataclass
@@ -312,6 +323,11 @@ class TrainerConfig:
     # OS, so each step reuses the last step's pages (-10% update time on the CPU e2e benchmark;
     # the process keeps its peak heap). See engines/host_memory.py. No effect on accelerators.
     keep_freed_memory: bool = True
+    # CPU workers: after every node, hand the heap memory the node freed back to the OS (glibc
+    # malloc_trim), so each node's peak adds to what is live rather than to the high-water
+    # mark of all earlier nodes: for models of hundreds of MB and up (engines/host_memory.py).
+    # The next node faults its pages in again. No effect on accelerators.
+    trim_host_memory: bool = False
     # Validation every this many steps (and after the last); 0 disables. Needs data.val_files.
     val_every: int = 0
     val_before_train: bool = False

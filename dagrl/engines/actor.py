@@ -36,7 +36,7 @@ class ActorEngine(TrainEngine):
                          mini_batch_samples=mini_batch_samples,
                          micro_batch_size=cfg.micro_batch_size, epochs=cfg.ppo_epochs,
                          dp_group=dp_group)
-        self.algo = algo
+        self.cfg, self.algo = cfg, algo
         self.temperature = temperature
         self.policy_loss_fn = POLICY_LOSSES.get(algo.policy_loss)
         self.loss_params = PolicyLossParams(
@@ -47,7 +47,8 @@ class ActorEngine(TrainEngine):
         """Forward-only log-probs of the responses under the current weights: [N, R]."""
         self.model.eval()
         return batch_logprobs(self.model, batch, micro_batch_size=self.micro_batch_size,
-                              temperature=self.temperature)
+                              temperature=self.temperature,
+                              chunk_tokens=self.cfg.logits_chunk_tokens)
 
     def check_batch(self, batch: Batch) -> None:
         if self.algo.kl_loss_coef > 0 and "ref_logprobs" not in batch:
@@ -65,7 +66,7 @@ class ActorEngine(TrainEngine):
         mask = micro["response_mask"]
         out = response_logprobs(self.model, micro["prompt_ids"], micro["prompt_mask"],
                                 micro["responses"], mask, temperature=self.temperature,
-                                with_entropy=True)
+                                with_entropy=True, chunk_tokens=self.cfg.logits_chunk_tokens)
         # Without an old_logprob pass the batch gets one optimizer step, taken from the weights
         # that generated it (checked in check_batch): pi_old = pi, as a constant.
         old = micro["old_logprobs"] if "old_logprobs" in micro else out.logprobs.detach()

@@ -23,7 +23,7 @@ from dagrl.engines.actor import ActorEngine
 from dagrl.engines.critic import CriticEngine, load_value_model
 from dagrl.engines.host_memory import keep_freed_memory
 from dagrl.engines.models import load_model, load_tokenizer
-from dagrl.engines.sharding import compile_layers, shard_model
+from dagrl.engines.sharding import checkpoint_activations, compile_layers, shard_model
 from dagrl.rewards.manager import RewardManager
 from dagrl.rollout import RolloutEngine, build_rollout
 from dagrl.rollout.sampling import logprob_temperature
@@ -75,6 +75,8 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
     dp_group = dist.group.WORLD if world_size > 1 else None
     if "actor" in needed:
         actor_model = load()
+        if cfg.actor.activation_checkpointing:
+            checkpoint_activations(actor_model)
         if cfg.actor.compile:
             compile_layers(actor_model)
         engines.actor = ActorEngine(shard(actor_model), cfg.actor, cfg.algorithm,

@@ -4,13 +4,19 @@ the critic."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from dagrl.algorithms.utils import entropy_from_logits, logprobs_from_logits
 from dagrl.data.batch import Batch
 from dagrl.rollout.hf import position_ids_from_mask
+
+# Rows of [tokens, vocab] logits computed at once by the head of a teacher-forced pass.
+DEFAULT_CHUNK_TOKENS = 1024
 
 
 @dataclass
@@ -19,45 +25,103 @@ class ResponseLogprobs:
     entropy: torch.Tensor | None = None    # [B, R]
 
 
-def _response_outputs(model: torch.nn.Module, prompt_ids, prompt_mask, responses,
-                      response_mask) -> tuple[torch.Tensor, int]:
-    """Run the model on [prompt | response] and return its outputs at the positions that
-    *predict* each response token: [B, R', ...] with R' = the last used response column + 1.
-
-    Columns that are padding for every row are trimmed before the pass (the layout is
-    fixed-width, so a batch of short prompts carries many).
-    """
+def _trimmed_inputs(prompt_ids, prompt_mask, responses, response_mask):
+    """[prompt | response] without the columns that are padding in every row (the layout is
+    fixed-width, so a batch of short prompts carries many): (input_ids, attention [B, T],
+    P' = the kept prompt width, R' = the last used response column + 1)."""
     first = int(prompt_mask.any(0).float().argmax()) if prompt_mask.any() else prompt_mask.shape[1]
     last = int(response_mask.any(0).nonzero().max()) + 1 if response_mask.any() else 0
     p_ids, p_mask = prompt_ids[:, first:], prompt_mask[:, first:]
     input_ids = torch.cat([p_ids, responses[:, :last]], dim=1)
     attention = torch.cat([p_mask, response_mask[:, :last]], dim=1).long()
+    return input_ids, attention, p_ids.shape[1], last
+
+
+def _response_outputs(model: torch.nn.Module, prompt_ids, prompt_mask, responses,
+                      response_mask) -> tuple[torch.Tensor, int]:
+    """Run the model on [prompt | response] and return its outputs at the positions that
+    *predict* each response token: [B, R', ...]."""
+    input_ids, attention, prompt_len, last = _trimmed_inputs(prompt_ids, prompt_mask, responses,
+                                                             response_mask)
     out = model(input_ids=input_ids, attention_mask=attention,
                 position_ids=position_ids_from_mask(attention), use_cache=False).logits
     # Position i predicts token i+1: response token j is predicted at column P'-1+j.
-    start = p_ids.shape[1] - 1
+    start = prompt_len - 1
     return out[:, start:start + last], last
+
+
+def _token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    targets: torch.Tensor, temperature: float, with_entropy: bool) -> torch.Tensor:
+    """One chunk of the head: hidden [n, H], targets [n] -> [n, 2] = (log softmax(z/T)[y],
+    entropy of softmax(z/T)) with z = W h + b. Only this chunk's [n, V] logits are alive."""
+    z = F.linear(hidden, weight, bias).float() / temperature                # [n, V]
+    logprobs = logprobs_from_logits(z, targets)
+    entropy = entropy_from_logits(z) if with_entropy else torch.zeros_like(logprobs)
+    return torch.stack([logprobs, entropy], dim=-1)
+
+
+def _chunked_head(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor,
+                  temperature: float, with_entropy: bool, chunk_tokens: int) -> torch.Tensor:
+    """`_token_logprobs` over [N, H] in chunks of `chunk_tokens` rows -> [N, 2]. With autograd
+    on, each chunk is recomputed in backward (activation checkpointing of the head alone), so
+    neither the [N, V] logits nor their gradient is ever whole: one extra head matmul per chunk
+    buys a [N, V] -> [chunk, V] peak."""
+    n = hidden.shape[0]
+    step = chunk_tokens if chunk_tokens > 0 else max(n, 1)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+    parts = []
+    for i in range(0, max(n, 1), step):   # an empty batch still yields a (0-row) graph node
+        args = (hidden[i:i + step], head.weight, head.bias, targets[i:i + step], temperature,
+                with_entropy)
+        parts.append(checkpoint(_token_logprobs, *args, use_reentrant=False) if grad
+                     and n > step else _token_logprobs(*args))
+    return torch.cat(parts)
+
+
+@contextmanager
+def _head_forward(head: torch.nn.Module, forward):
+    """Run `forward` in place of the LM head's own for one pass. The module and its parameter
+    names stay (FSDP2, weight sync and checkpoints see the same model); the head still runs
+    inside the model's forward, where FSDP2 has gathered its weight."""
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
 
 
 def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                       responses: torch.Tensor, response_mask: torch.Tensor, *,
-                      temperature: float = 1.0, with_entropy: bool = False) -> ResponseLogprobs:
+                      temperature: float = 1.0, with_entropy: bool = False,
+                      chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> ResponseLogprobs:
     """log softmax(z_t / T)[y_t] for every response token y_t: [B, R] (0 where masked).
 
     prompt_ids/prompt_mask: [B, P] left-padded; responses/response_mask: [B, R] right-padded.
+    No [B, T, V] logits tensor is built: the model keeps only the hidden states of the response
+    positions (`logits_to_keep`), the head runs on the N unmasked response tokens alone, in
+    chunks of `chunk_tokens` (0: all at once).
     """
     batch, resp_len = responses.shape
-    logits, last = _response_outputs(model, prompt_ids, prompt_mask, responses, response_mask)
-    logits = logits.float() / temperature                               # [B, R', V]
-    mask = response_mask.float()
-    logprobs = torch.zeros(batch, resp_len, device=responses.device)
-    logprobs[:, :last] = logprobs_from_logits(logits, responses[:, :last])
-    entropy = None
-    if with_entropy:
-        entropy = torch.zeros(batch, resp_len, device=responses.device)
-        entropy[:, :last] = entropy_from_logits(logits)
-        entropy = entropy * mask
-    return ResponseLogprobs(logprobs * mask, entropy)
+    input_ids, attention, _, last = _trimmed_inputs(prompt_ids, prompt_mask, responses,
+                                                    response_mask)
+    used = response_mask[:, :last].bool()                                    # [B, R']
+    targets = responses[:, :last][used]                                      # [N]
+    head = model.get_output_embeddings()
+
+    def head_forward(hidden: torch.Tensor) -> torch.Tensor:
+        # hidden [B, K, H] ends with the last input position, which predicts nothing here;
+        # the R' before it predict the response tokens.
+        predicting = hidden[:, hidden.shape[1] - last - 1:-1][used]           # [N, H]
+        return _chunked_head(predicting, head, targets, temperature, with_entropy, chunk_tokens)
+
+    with _head_forward(head, head_forward):
+        per_token = model(input_ids=input_ids, attention_mask=attention,
+                          position_ids=position_ids_from_mask(attention), use_cache=False,
+                          logits_to_keep=last + 1).logits                     # [N, 2]
+    out = per_token.new_zeros(batch, last, 2)
+    out[used] = per_token
+    out = F.pad(out, (0, 0, 0, resp_len - last))                              # [B, R, 2]
+    return ResponseLogprobs(out[..., 0], out[..., 1] if with_entropy else None)
 
 
 def response_values(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -72,10 +136,11 @@ def response_values(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mas
 
 @torch.no_grad()
 def batch_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int,
-                   temperature: float) -> torch.Tensor:
+                   temperature: float, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
     """Forward-only log-probs for a whole batch, in micro-batches: -> [N, R]."""
     parts = [response_logprobs(model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"],
-                               mb["response_mask"], temperature=temperature).logprobs
+                               mb["response_mask"], temperature=temperature,
+                               chunk_tokens=chunk_tokens).logprobs
              for mb in batch.split(micro_batch_size) if len(mb)]
     if not parts:
         return torch.zeros_like(batch["response_mask"], dtype=torch.float32)

@@ -11,6 +11,13 @@ same point with jemalloc/tcmalloc; this needs no extra library.
 
 The cost: the process keeps its peak heap (it does not shrink after a spike). Set
 `trainer.keep_freed_memory=false` to keep glibc's defaults.
+
+`release_freed_memory` is the counterweight for models whose phases each need gigabytes
+(`trainer.trim_host_memory`): called between two nodes, it hands the heap the finished node
+freed back to the OS, so the next node's peak adds to what is live, not to every earlier
+node's high-water mark. Measured on SmolLM2-135M (AdamW, activation checkpointing, 32 x 128
+tokens, 2 threads): RSS after the update 4.63 GB untrimmed against 2.46 GB trimmed, for the
+same live tensors.
 """
 
 from __future__ import annotations
@@ -32,14 +39,25 @@ MMAP_THRESHOLD = 32 * 2**20
 TRIM_THRESHOLD = 2**31 - 1
 
 
+def _libc():
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+
+
+def release_freed_memory() -> bool:
+    """glibc's malloc_trim(0): return every free page of the heap to the OS. True if some
+    memory was released; False where there is none or no glibc."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    return bool(trim(0)) if trim is not None else False
+
+
 def keep_freed_memory() -> bool:
     """Tune glibc malloc as described above; True if applied, False where there is no glibc
     (macOS, musl) and nothing changed."""
-    name = ctypes.util.find_library("c")
-    try:
-        mallopt = ctypes.CDLL(name).mallopt if name else None
-    except (OSError, AttributeError):
-        mallopt = None
+    mallopt = getattr(_libc(), "mallopt", None)
     if mallopt is None:
         logger.debug("no glibc mallopt here; host memory settings left as they are")
         return False

@@ -31,6 +31,18 @@ def compile_layers(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def checkpoint_activations(model: torch.nn.Module) -> torch.nn.Module:
+    """transformers' activation checkpointing of every decoder layer, non-reentrant (before
+    sharding: the recompute then runs through FSDP2's hooks like the forward did). Applies in
+    training mode only; forward-only passes are untouched."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):   # transformers >= 5.20
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model
+
+
 def shard_model(model: torch.nn.Module, world_size: int, device_type: str) -> torch.nn.Module:
     """Shard `model` in place over all `world_size` ranks (a no-op for one rank)."""
     if world_size == 1:

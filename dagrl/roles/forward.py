@@ -27,7 +27,8 @@ def old_logprob(ctx: NodeContext, batch: Batch) -> Batch:
 def ref_logprob(ctx: NodeContext, batch: Batch) -> Batch:
     batch["ref_logprobs"] = batch_logprobs(
         ctx.engines.ref_model, batch, micro_batch_size=ctx.config.ref.micro_batch_size,
-        temperature=logprob_temperature(ctx.config.rollout.temperature))
+        temperature=logprob_temperature(ctx.config.rollout.temperature),
+        chunk_tokens=ctx.config.ref.logits_chunk_tokens)
     return batch
 
 

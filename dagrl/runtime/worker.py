@@ -30,7 +30,9 @@ from dagrl.dag.planner import RankPlan, Task
 from dagrl.data.batch import Batch
 from dagrl.data.buffer import balance, reshard
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
+from dagrl.device import is_host
 from dagrl.engines.bundle import build_engines
+from dagrl.engines.host_memory import release_freed_memory
 from dagrl.observe.loggers import RunLogger, truncate_jsonl
 from dagrl.observe.metrics import StepMetrics
 from dagrl.observe.observer import StepObserver
@@ -62,6 +64,7 @@ class Worker:
             torch.set_num_threads(cfg.trainer.torch_threads)
         torch.manual_seed(cfg.trainer.seed)
         self.device = self.dist.device
+        self.trim_host_memory = cfg.trainer.trim_host_memory and is_host(self.device)
         self.graph, self.order, plans = plan_for(cfg, self.world_size)
         create_layout_groups(self.dist, plans)
         self.plan = plans[self.rank]
@@ -126,6 +129,8 @@ class Worker:
                 else:
                     ctx = self.node_context(task, step, metrics, upstream=tasks[:i])
                     batch = ROLES.get(task.role).fn(ctx, batch)
+                    if self.trim_host_memory:
+                        release_freed_memory()
             self.observer.count_flops(task, batch, metrics)
             most = max(most, len(batch))
         # The most samples this rank held at any point: no rank should ever hold the global batch.

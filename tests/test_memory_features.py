@@ -1,0 +1,107 @@
+"""Each memory feature leaves the numbers unchanged: the chunked log-prob/entropy head against
+the full [B, T, V] logits computation, and activation checkpointing against keeping the
+activations (values and gradients)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dagrl.algorithms.utils import entropy_from_logits, logprobs_from_logits
+from dagrl.engines.forward import response_logprobs
+from dagrl.engines.models import load_model, write_tiny_model
+from dagrl.rollout.base import position_ids_from_mask
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(write_tiny_model(tmp_path_factory.mktemp("mem") / "tiny", "tiny-qwen2",
+                                hidden_size=64, layers=2, seed=3))
+
+
+def _batch(seed: int = 0):
+    """Left-padded prompts [6, 9] and right-padded responses [6, 7] of varied lengths (one
+    empty, none reaching the last column but one)."""
+    g = torch.Generator().manual_seed(seed)
+    prompt_ids = torch.randint(4, 40, (6, 9), generator=g)
+    prompt_mask = torch.ones(6, 9, dtype=torch.long)
+    responses = torch.randint(4, 40, (6, 7), generator=g)
+    response_mask = torch.zeros(6, 7, dtype=torch.long)
+    for b, (pad, length) in enumerate([(0, 7), (3, 2), (1, 0), (5, 4), (2, 5), (0, 1)]):
+        prompt_mask[b, :pad] = 0
+        response_mask[b, :length] = 1
+    return prompt_ids, prompt_mask, responses, response_mask
+
+
+def _full_logits_reference(model, prompt_ids, prompt_mask, responses, response_mask, temperature):
+    """The textbook computation: the model's whole [B, T, V] logits, log-softmax, gather."""
+    input_ids = torch.cat([prompt_ids, responses], 1)
+    attention = torch.cat([prompt_mask, response_mask], 1)
+    logits = model(input_ids=input_ids, attention_mask=attention,
+                   position_ids=position_ids_from_mask(attention)).logits.float() / temperature
+    z = logits[:, prompt_ids.shape[1] - 1:-1]                  # position i predicts token i+1
+    mask = response_mask.float()
+    return logprobs_from_logits(z, responses) * mask, entropy_from_logits(z) * mask
+
+
+@pytest.mark.parametrize("chunk_tokens", [0, 5, 1024])
+def test_chunked_head_equals_the_full_logits_in_values_and_gradients(model_dir, chunk_tokens):
+    model = load_model(model_dir)
+    batch = _batch()
+    weights = torch.randn(6, 7, generator=torch.Generator().manual_seed(1))
+
+    def grads(loss):
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ref_lp, ref_ent = _full_logits_reference(model, *batch, temperature=0.7)
+    ref_grads = grads((ref_lp * weights).sum() + 0.3 * ref_ent.sum())
+    out = response_logprobs(model, *batch, temperature=0.7, with_entropy=True,
+                            chunk_tokens=chunk_tokens)
+    ours_grads = grads((out.logprobs * weights).sum() + 0.3 * out.entropy.sum())
+
+    torch.testing.assert_close(out.logprobs, ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.entropy, ref_ent, atol=1e-5, rtol=1e-5)
+    assert out.logprobs[2].abs().sum() == 0 and (out.logprobs[0] < 0).all()
+    assert ours_grads.keys() == ref_grads.keys()
+    for name, g in ours_grads.items():
+        torch.testing.assert_close(g, ref_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_chunked_head_leaves_the_model_as_it_was(model_dir):
+    model = load_model(model_dir)
+    names = [n for n, _ in model.named_parameters()]
+    with torch.no_grad():
+        response_logprobs(model, *_batch(), chunk_tokens=4)
+    assert [n for n, _ in model.named_parameters()] == names
+    assert "forward" not in vars(model.get_output_embeddings())   # the head's own forward back
+    ids = torch.tensor([[5, 6, 7]])
+    assert model(input_ids=ids).logits.shape == (1, 3, model.config.vocab_size)
+
+
+def test_activation_checkpointing_recomputes_layers_and_leaves_gradients_unchanged(model_dir):
+    from dagrl.engines.sharding import checkpoint_activations
+
+    results = {}
+    for checkpointed in (False, True):
+        model = load_model(model_dir)
+        if checkpointed:
+            checkpoint_activations(model)
+        model.train()
+        saved = []   # bytes autograd keeps for backward during the forward
+
+        def pack(t, saved=saved):
+            saved.append(t.numel() * t.element_size())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = response_logprobs(model, *_batch(), with_entropy=True, chunk_tokens=0)
+        (out.logprobs.sum() + 0.1 * out.entropy.sum()).backward()
+        results[checkpointed] = (sum(saved), out.logprobs.detach(),
+                                 {n: p.grad for n, p in model.named_parameters()})
+    plain, ckpt = results[False], results[True]
+    assert ckpt[0] < plain[0] / 3, (ckpt[0], plain[0])   # the layers' intermediates are not kept
+    torch.testing.assert_close(ckpt[1], plain[1], atol=0, rtol=0)
+    for name, g in ckpt[2].items():
+        torch.testing.assert_close(g, plain[2][name], atol=1e-6, rtol=1e-5, msg=name)
