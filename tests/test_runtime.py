@@ -43,7 +43,7 @@ def assert_same_run(ours, reference, rel=1e-4):
             assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-6), (a["step"], key)
 
 
-def test_torchrun_two_workers_match_one_worker_with_reward_on_one_rank(tmp_path, one_worker_run):
+def test_torchrun_two_workers_match_one_worker_with_reward_on_one_rank_and_memory_features(tmp_path, one_worker_run):
     # The reward node runs on rank 0 only: samples are resharded there and back every step.
     graph = tmp_path / "grpo_subset.yaml"
     graph.write_text(textwrap.dedent("""
@@ -59,7 +59,11 @@ def test_torchrun_two_workers_match_one_worker_with_reward_on_one_rank(tmp_path,
     run_dir = tmp_path / "two"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(free_port()), "-m", "dagrl.train", f"trainer.run_dir={run_dir}",
-           "trainer.n_workers=2", "trainer.total_steps=3", f"dag.graph={graph}", *FAST]
+           "trainer.n_workers=2", "trainer.total_steps=3", f"dag.graph={graph}", *FAST,
+           # memory features under FSDP2: layers recomputed in backward, the LM head in chunks
+           # of 100 tokens (one worker's run has neither); the numbers must not move
+           "actor.activation_checkpointing=true", "actor.logits_chunk_tokens=100",
+           "ref.logits_chunk_tokens=100"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ours = metrics(run_dir)
