@@ -43,7 +43,8 @@ def assert_same_run(ours, reference, rel=1e-4):
             assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-6), (a["step"], key)
 
 
-def test_torchrun_two_workers_match_one_worker_with_reward_on_one_rank_and_memory_features(tmp_path, one_worker_run):
+def test_torchrun_two_workers_match_one_worker_with_reward_on_one_rank_and_memory_features(
+        tmp_path, one_worker_run):
     # The reward node runs on rank 0 only: samples are resharded there and back every step.
     graph = tmp_path / "grpo_subset.yaml"
     graph.write_text(textwrap.dedent("""
