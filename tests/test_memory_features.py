@@ -105,3 +105,21 @@ def test_activation_checkpointing_recomputes_layers_and_leaves_gradients_unchang
     torch.testing.assert_close(ckpt[1], plain[1], atol=0, rtol=0)
     for name, g in ckpt[2].items():
         torch.testing.assert_close(g, plain[2][name], atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_gradients_are_freed_after_each_optimizer_step(tmp_path):
+    # Between updates (rollout, reference pass) no model-sized gradient buffer stays alive.
+    from dagrl.config.loader import load_config
+    from dagrl.config.schema import Config
+    from dagrl.runtime.run_dir import prepare_run
+    from dagrl.runtime.worker import Worker
+
+    cfg = load_config(Config, None, [f"trainer.run_dir={tmp_path / 'run'}",
+                                     "trainer.total_steps=2",
+                                     "actor.mini_batch_size=16", "trainer.torch_threads=1",
+                                     "logging.progress_bar=false", "logging.console_every=1000"])
+    worker = Worker(prepare_run(cfg))
+    history = worker.train()
+    assert [m["actor/optimizer_steps"] for m in history] == [2.0, 2.0]   # 2 mini-batches a step
+    assert worker.engines.actor.version == 4
+    assert all(p.grad is None for p in worker.engines.actor.model.parameters())

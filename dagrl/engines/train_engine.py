@@ -84,13 +84,15 @@ class TrainEngine(ABC):
                 denom = all_reduce_sum(agg_denominator(mini["response_mask"],
                                                        self.loss_agg_mode),
                                        self.dp_group, self.device)
-                self.optimizer.zero_grad(set_to_none=True)
                 reported = 0.0
                 for micro in mini.split(self.micro_batch_size):
                     loss, shown = self.micro_loss(micro, denom, metrics)
                     (loss * self.dp_size).backward()
                     reported += float(shown.detach())
                 self._optimizer_step(reported, metrics)
+                # Gradients freed now, not before the next backward: between updates (rollout,
+                # reference pass, ...) they would hold a model-sized buffer for nothing.
+                self.optimizer.zero_grad(set_to_none=True)
 
     def _optimizer_step(self, reported: float, metrics: StepMetrics) -> None:
         """Clip, check and apply the accumulated gradient; log the step's metrics."""
