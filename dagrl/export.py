@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from dagrl.engines.models import plain_config
 from dagrl.runtime.checkpoint import (
     STATE_FILE,
     CheckpointError,
@@ -52,7 +53,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str | None = None) -> 
     hf = checkpoint / "hf"
     if not (hf / "config.json").is_file():
         raise CheckpointError(f"{checkpoint}: no hf/config.json (this checkpoint holds no actor)")
-    config = AutoConfig.from_pretrained(hf)
+    config = plain_config(AutoConfig.from_pretrained(hf))   # (checkpoints before the fix)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     state = {"actor": {"model": get_model_state_dict(model)}}
     with single_process_quiet():

@@ -152,8 +152,19 @@ def test_export_loads_in_transformers_and_generates_like_the_actor(tmp_path):
 
     cfg = prepare_run(config(tmp_path / "run", "trainer.total_steps=3", "trainer.save_every=3"))
     worker = Worker(cfg)
+    # What a GGUF load records; the trained weights are dense, so no file may carry it.
+    gguf = {"quant_method": "gguf", "gguf_file": "model.gguf", "dequantize": False}
+    worker.engines.actor.model.config.quantization_config = gguf
     worker.train()
+    saved = json.loads(next((tmp_path / "run").rglob("hf/config.json")).read_text())
+    assert "quantization_config" not in saved
     out = export_checkpoint(tmp_path / "run", tmp_path / "hf")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    # a checkpoint written before that fix still exports a plain model
+    hf_config = next((tmp_path / "run").rglob("hf/config.json"))
+    hf_config.write_text(json.dumps({**saved, "quantization_config": gguf}))
+    old = export_checkpoint(tmp_path / "run", tmp_path / "hf-old")
+    assert "quantization_config" not in json.loads((old / "config.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(out).eval()
     tokenizer = AutoTokenizer.from_pretrained(out)
     actor = worker.engines.actor.model.eval()

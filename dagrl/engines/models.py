@@ -7,10 +7,13 @@ tokenizer.json), so tests exercise the same loading path as a user's checkpoint.
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -186,6 +189,33 @@ def load_tokenizer(path: str, gguf_file: str = "") -> PreTrainedTokenizerBase:
     return tok
 
 
+def plain_config(config):
+    """A copy of a model config without `quantization_config`. Loading a GGUF file records one
+    (quant_method gguf), yet the weights dagrl trains and saves are plain dense tensors: a
+    checkpoint or export that kept it would make loaders look for the GGUF file."""
+    config = copy.deepcopy(config)
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config
+    return config
+
+
+@contextmanager
+def _quiet_gguf_conversion():
+    """transformers' GGUF converter draws a tqdm bar of its own, outside the progress-bar switch
+    of its logging (`hf_logging.disable_progress_bar`): silence it for one load."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is None:
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = bar
+
+
 def load_model(path: str, gguf_file: str = "", dtype: str = "float32",
                device: torch.device | str | None = None, attn_implementation: str = "auto",
                ) -> PreTrainedModel:
@@ -196,9 +226,11 @@ def load_model(path: str, gguf_file: str = "", dtype: str = "float32",
     device = host_device() if device is None else device
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     hf_logging.disable_progress_bar()   # one bar per model load is noise in a training log
-    model = AutoModelForCausalLM.from_pretrained(
-        path, local_files_only=True, dtype=DTYPES[dtype],
-        attn_implementation=resolve_attn_implementation(attn_implementation, device), **kwargs)
+    with _quiet_gguf_conversion() if gguf_file else nullcontext():
+        model = AutoModelForCausalLM.from_pretrained(
+            path, local_files_only=True, dtype=DTYPES[dtype],
+            attn_implementation=resolve_attn_implementation(attn_implementation, device),
+            **kwargs)
     # Dropout would make log-probs of the same tokens differ between the rollout, old-logprob
     # and update passes; RL post-training runs with it off.
     _disable_dropout(model)

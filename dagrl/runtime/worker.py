@@ -33,6 +33,7 @@ from dagrl.data.dataset import ParquetPrompts, PromptLoader
 from dagrl.device import is_host
 from dagrl.engines.bundle import build_engines
 from dagrl.engines.host_memory import release_freed_memory
+from dagrl.engines.models import plain_config
 from dagrl.observe.loggers import RunLogger, truncate_jsonl
 from dagrl.observe.metrics import StepMetrics
 from dagrl.observe.observer import StepObserver
@@ -215,7 +216,7 @@ class Worker:
         """What `dagrl export` needs beside the weights: model config and tokenizer."""
         model = self.engines.actor.model if self.engines.actor else None
         if model is not None:
-            model.config.save_pretrained(out)
+            plain_config(model.config).save_pretrained(out)
         self.engines.tokenizer.save_pretrained(out)
 
     def resume(self) -> int:
