@@ -10,6 +10,7 @@
     dagrl bench learning [--algorithms all]     # reward early vs late for every algorithm
     dagrl bench rollout                         # our native rollout vs transformers generate
     dagrl bench e2e                             # our GRPO step loop vs TRL's GRPOTrainer
+    dagrl bench memory                          # peak RSS of each memory setting, one run
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ def data_main(argv: Sequence[str]) -> int:
     return 0
 
 
-BENCHMARKS = ("dataplane", "learning", "rollout", "e2e")
+BENCHMARKS = ("dataplane", "learning", "rollout", "e2e", "memory")
 
 
 def bench_main(argv: Sequence[str]) -> int:
