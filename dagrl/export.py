@@ -5,7 +5,8 @@
 
 The result loads with `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoTokenizer`. The
 weights are read from the checkpoint's DCP shards in one process, whatever the number of
-workers that wrote them; the model config and tokenizer come from the checkpoint's `hf/`.
+workers that wrote them; the model config and tokenizer come from the checkpoint's `hf/`. A
+LoRA actor's adapters (config in the checkpoint's `lora/`) are merged into the weights.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from dagrl.engines.lora import ADAPTER_DIR, wrap_like_checkpoint
 from dagrl.engines.models import plain_config
 from dagrl.runtime.checkpoint import (
     STATE_FILE,
@@ -55,10 +57,15 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str | None = None) -> 
         raise CheckpointError(f"{checkpoint}: no hf/config.json (this checkpoint holds no actor)")
     config = plain_config(AutoConfig.from_pretrained(hf))   # (checkpoints before the fix)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    adapters = checkpoint / ADAPTER_DIR
+    if adapters.is_dir():   # a LoRA actor: load base + adapters, then merge them in
+        model = wrap_like_checkpoint(model, adapters)
     state = {"actor": {"model": get_model_state_dict(model)}}
     with single_process_quiet():
         dcp.load(state, checkpoint_id=str(checkpoint / "dcp"), no_dist=True)
     set_model_state_dict(model, state["actor"]["model"])
+    if adapters.is_dir():
+        model = model.merge_and_unload()
     if dtype is not None:
         model = model.to(getattr(torch, dtype))
     tmp = out.with_name(f".{out.name}.tmp")

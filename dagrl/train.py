@@ -86,8 +86,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from dagrl.runtime.ray_launcher import WorkerFailed
     from dagrl.runtime.run_dir import RunDirError
 
-    return (DatasetError, TokenizerError, RewardError, CheckpointError, RunDirError, WorkerFailed,
-            MissingExtraError, ServerError, FileNotFoundError, FloatingPointError)
+    return (ConfigError, DatasetError, TokenizerError, RewardError, CheckpointError, RunDirError,
+            WorkerFailed, MissingExtraError, ServerError, FileNotFoundError, FloatingPointError)
 
 
 if __name__ == "__main__":

@@ -173,6 +173,24 @@ class OptimConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters on the actor (peft): only they are trained; the reference policy is the
+    actor with its adapters off (no second copy of the model is loaded for it)."""
+    rank: int = 0           # r, the adapters' rank; 0: no LoRA, every weight is trained
+    alpha: float = 16.0     # the update is scaled by alpha / rank
+    # Linear layers that get adapters: peft's `all-linear` (every linear but the LM head), or
+    # module names such as [q_proj, k_proj, v_proj, o_proj].
+    target_modules: str | list[str] = "all-linear"
+    dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(self.rank >= 0, "rank must be >= 0 (0: no LoRA)")
+        _check(self.alpha > 0, "alpha must be > 0")
+        _check(0 <= self.dropout < 1, "dropout must be in [0, 1)")
+        _check(bool(self.target_modules), "target_modules must name at least one module")
+
+
+@dataclass
 class ActorConfig(OptimConfig):
     # Prompts per optimizer step, summed over workers (verl's ppo_mini_batch_size): a step's
     # batch of train_batch_size prompts gives train_batch_size / mini_batch_size updates.
@@ -199,6 +217,7 @@ class ActorConfig(OptimConfig):
     # backward (-17% on the CPU e2e workload); the first step compiles (~8 s there), and a
     # new sequence length may recompile once with dynamic shapes.
     compile: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -18,6 +18,7 @@ from dagrl.algorithms.policy_loss import POLICY_LOSSES, PolicyLossParams
 from dagrl.config.schema import ActorConfig, AlgorithmConfig
 from dagrl.data.batch import Batch
 from dagrl.engines.forward import batch_logprobs, response_logprobs
+from dagrl.engines.lora import is_lora, lora_scalings, merged_weights
 from dagrl.engines.train_engine import TrainEngine, token_mean
 from dagrl.engines.weight_sync import gather_full_weights
 from dagrl.observe.metrics import StepMetrics
@@ -91,5 +92,9 @@ class ActorEngine(TrainEngine):
 
     def full_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, full tensor) for every parameter, gathered from the shards bucket by bucket
-        (engines/weight_sync.py); a collective over the actor's ranks."""
-        return gather_full_weights(self.model)
+        (engines/weight_sync.py); a collective over the actor's ranks. Under LoRA: the plain
+        HF weights with the adapters merged in."""
+        weights = gather_full_weights(self.model)
+        if is_lora(self.model):
+            return merged_weights(weights, lora_scalings(self.model))
+        return weights

@@ -1,6 +1,7 @@
 """The models and services one worker hosts, built only for the roles its plan runs.
 
-Actor and reference are FSDP2-sharded over all workers; the rollout engine holds a full,
+Actor and reference are FSDP2-sharded over all workers (under LoRA the reference is the
+actor's own model with its adapters off, engines/lora.py); the rollout engine holds a full,
 unsharded copy on each worker (generation needs every weight at every step). After each actor
 update every worker takes part in gathering the full weights, bucket by bucket
 (engines/weight_sync.py), and the ones that generate copy them into their rollout engine in
@@ -22,6 +23,7 @@ from dagrl.device import is_host
 from dagrl.engines.actor import ActorEngine
 from dagrl.engines.critic import CriticEngine, load_value_model
 from dagrl.engines.host_memory import keep_freed_memory
+from dagrl.engines.lora import ReferenceView, apply_lora
 from dagrl.engines.models import load_model, load_tokenizer
 from dagrl.engines.sharding import checkpoint_activations, compile_layers, shard_model
 from dagrl.rewards.manager import RewardManager
@@ -75,6 +77,10 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
     dp_group = dist.group.WORLD if world_size > 1 else None
     if "actor" in needed:
         actor_model = load()
+        lora = cfg.actor.lora
+        if lora.rank:
+            actor_model = apply_lora(actor_model, lora.rank, lora.alpha, lora.target_modules,
+                                     lora.dropout)
         if cfg.actor.activation_checkpointing:
             checkpoint_activations(actor_model)
         if cfg.actor.compile:
@@ -94,7 +100,10 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
         # Starts from the same checkpoint as the actor: nothing to sync before the first update.
         engines.rollout = build_rollout(cfg, load, device, eos_token_id=tokenizer.eos_token_id,
                                         pad_token_id=tokenizer.pad_token_id)
-    if "ref" in needed:
+    if "ref" in needed and cfg.actor.lora.rank and engines.actor is not None:
+        # Under LoRA the reference is the frozen base: the actor with its adapters off.
+        engines.ref_model = ReferenceView(engines.actor.model)
+    elif "ref" in needed:
         ref = load().eval().requires_grad_(False)
         if cfg.actor.compile:
             compile_layers(ref)

@@ -54,7 +54,9 @@ class TrainEngine(ABC):
         # The fused kernel updates all parameters in one pass: 0.6 ms instead of 3.3 ms per
         # step for the e2e model on CPU.
         fused = fused_optimizer_supported(next(model.parameters()).device)
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=optim.lr,
+        # Frozen parameters (the base weights under LoRA) get no optimizer state.
+        self.trained = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.trained, lr=optim.lr,
                                            betas=tuple(optim.betas),
                                            weight_decay=optim.weight_decay, fused=fused)
         warmup = optim.warmup_steps
@@ -97,7 +99,7 @@ class TrainEngine(ABC):
     def _optimizer_step(self, reported: float, metrics: StepMetrics) -> None:
         """Clip, check and apply the accumulated gradient; log the step's metrics."""
         max_norm = self.grad_clip if self.grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.trained, max_norm)
         if hasattr(norm, "full_tensor"):   # a DTensor under FSDP2
             norm = norm.full_tensor()
         # The norm is global (the same on every rank), so all ranks stop together. Stopping

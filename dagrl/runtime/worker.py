@@ -33,6 +33,7 @@ from dagrl.data.dataset import ParquetPrompts, PromptLoader
 from dagrl.device import is_host
 from dagrl.engines.bundle import build_engines
 from dagrl.engines.host_memory import release_freed_memory
+from dagrl.engines.lora import ADAPTER_DIR, is_lora, save_adapter_config
 from dagrl.engines.models import plain_config
 from dagrl.observe.loggers import RunLogger, truncate_jsonl
 from dagrl.observe.metrics import StepMetrics
@@ -217,6 +218,8 @@ class Worker:
         model = self.engines.actor.model if self.engines.actor else None
         if model is not None:
             plain_config(model.config).save_pretrained(out)
+            if is_lora(model):
+                save_adapter_config(model, out.parent / ADAPTER_DIR)
         self.engines.tokenizer.save_pretrained(out)
 
     def resume(self) -> int:

@@ -1,0 +1,138 @@
+"""LoRA for the actor, through `peft`: low-rank adapters on the frozen base weights,
+
+    W' = W + (alpha / r) · B A,     A [r, in], B [out, r], B = 0 at the start,
+
+so only A and B get gradients and AdamW state (a few MB instead of two model-sized buffers).
+Three things outside training must see it right:
+- the **reference policy** is the base model, i.e. the actor with its adapters switched off
+  (`ReferenceView`): no second copy of the weights is loaded for it;
+- **weight sync** hands the rollout engine plain HF weights with the adapters merged in
+  (`merged_weights`), so every backend (native, hf, vLLM) runs it unchanged;
+- **checkpoints** hold the peft model's state (base + adapters) and the adapter config
+  (`ADAPTER_DIR`), so `dagrl export` can merge them into a plain HF model.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from dagrl.config.loader import ConfigError
+from dagrl.extras import MissingExtraError
+
+# In a checkpoint directory: peft's adapter_config.json of a LoRA actor (absent without LoRA).
+ADAPTER_DIR = "lora"
+_PEFT_PREFIX = "base_model.model."
+
+
+@contextmanager
+def _quiet_peft():
+    """peft's wrapping calls a transformers API deprecated in 5.x, and warns when a saved
+    adapter config's base path differs from where it is loaded (always so for a checkpoint):
+    neither is anything the user can act on."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        warnings.filterwarnings("ignore", message=".*base_model_name_or_path.*")
+        yield
+
+
+def apply_lora(model: torch.nn.Module, rank: int, alpha: float,
+               target_modules: str | list[str], dropout: float) -> torch.nn.Module:
+    """Wrap a HF causal LM in peft's LoRA (before sharding, like activation checkpointing)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as err:
+        raise MissingExtraError("actor.lora.rank > 0 needs peft: pip install -e '.[lora]'") from err
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
+                        target_modules=target_modules, task_type="CAUSAL_LM")
+    try:
+        with _quiet_peft():
+            return get_peft_model(model, config)
+    except ValueError as err:   # e.g. target_modules that match no module of this model
+        raise ConfigError(f"actor.lora.target_modules={target_modules!r}: {err}") from err
+
+
+def is_lora(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config")
+
+
+def save_adapter_config(model: torch.nn.Module, out: Path) -> None:
+    """peft's adapter_config.json of `model` into `out` (what `load_lora_config` reads)."""
+    model.peft_config["default"].save_pretrained(str(out))
+
+
+def wrap_like_checkpoint(model: torch.nn.Module, adapter_dir: Path) -> torch.nn.Module:
+    """A plain HF model wrapped with the LoRA config a checkpoint was trained with, so the
+    checkpoint's peft-named state loads into it (`dagrl export`)."""
+    from peft import LoraConfig, get_peft_model
+
+    with _quiet_peft():
+        return get_peft_model(model, LoraConfig.from_pretrained(str(adapter_dir)))
+
+
+def lora_scalings(model: torch.nn.Module) -> dict[str, float]:
+    """{peft module name: alpha / r} for every adapted linear of a peft model."""
+    return {name: float(module.scaling["default"]) for name, module in model.named_modules()
+            if hasattr(module, "lora_A") and "default" in getattr(module, "scaling", {})}
+
+
+def hf_name(peft_name: str) -> str:
+    """The plain HF parameter name of a peft one, e.g.
+    base_model.model.model.layers.0.mlp.up_proj.base_layer.weight
+    -> model.layers.0.mlp.up_proj.weight"""
+    name = peft_name.removeprefix(_PEFT_PREFIX)
+    return name.replace(".base_layer.", ".")
+
+
+@torch.no_grad()
+def merged_weights(named: Iterator[tuple[str, torch.Tensor]],
+                   scalings: dict[str, float]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Plain HF (name, tensor) pairs from a peft model's full (gathered) parameters, in order,
+    each adapted weight replaced by W + s · B A.
+
+    peft registers an adapted linear's parameters as base_layer.weight, [base_layer.bias],
+    lora_A.default.weight, lora_B.default.weight: the base weight is held back until its B
+    arrives; every other tensor passes through under its HF name.
+    """
+    held: dict[str, torch.Tensor] = {}   # module name -> base weight, then "<module>.A" -> A
+    for name, tensor in named:
+        module, _, leaf = name.rpartition(".")
+        if module.endswith(".base_layer") and leaf == "weight":
+            held[module.removesuffix(".base_layer")] = tensor
+        elif module.endswith(".lora_A.default"):
+            held[module.removesuffix(".lora_A.default") + ".A"] = tensor
+        elif module.endswith(".lora_B.default"):
+            owner = module.removesuffix(".lora_B.default")
+            base, a = held.pop(owner), held.pop(owner + ".A")
+            merged = base + scalings[owner] * (tensor.to(base.dtype) @ a.to(base.dtype))
+            yield hf_name(owner + ".weight"), merged
+        else:
+            yield hf_name(name), tensor
+    if held:
+        raise RuntimeError(f"weight sync: LoRA parameters without their pair: {sorted(held)[:4]}")
+
+
+class ReferenceView:
+    """The reference policy of a LoRA actor: the same (sharded) model with the adapters off,
+    i.e. exactly the frozen base weights. Called like a model by the teacher-forced passes."""
+
+    def __init__(self, peft_model: torch.nn.Module) -> None:
+        self.peft_model = peft_model
+
+    def get_output_embeddings(self) -> torch.nn.Module:
+        return self.peft_model.get_output_embeddings()
+
+    @torch.no_grad()
+    def __call__(self, *args, **kwargs):
+        training = self.peft_model.training
+        self.peft_model.eval()
+        try:
+            with self.peft_model.disable_adapter():
+                return self.peft_model(*args, **kwargs)
+        finally:
+            self.peft_model.train(training)
