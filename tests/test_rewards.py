@@ -55,33 +55,48 @@ def test_arith_wrong_answers_never_reach_exact_score():
 # --------------------------------------------------------------------------- gsm8k
 
 
+# verl's gsm8k.compute_score(method="strict"/"flexible", format_score=0) on the same cases.
 @pytest.mark.parametrize(
-    "resp, gt, expected",
+    "resp, gt, strict, flexible",
     [
-        ("so she has 42 apples.\n#### 42", "42", 1.0),
-        ("#### 42.00", "42", 1.0),
-        ("####42", "42.0", 1.0),
-        ("#### $1,234", "1234", 1.0),
-        ("#### 1,234 dollars", "1,234", 1.0),
-        ("#### -3", "-3", 1.0),
-        ("#### 3", "-3", 0.0),
-        ("#### 42.", "42", 1.0),  # sentence-ending period
-        ("#### 4.2", "42", 0.0),
-        ("the answer is 42", "42", 0.0),  # no ####
-        ("#### 41 wait #### 42", "42", 1.0),  # the last #### counts
-        ("#### 42 wait #### 41", "42", 0.0),
-        ("#### ", "42", 0.0),
-        ("#### forty-two", "42", 0.0),
-        ("", "42", 0.0),
+        ("so she has 42 apples.\n#### 42", "42", 1.0, 1.0),
+        ("#### $1,234", "1234", 0.0, 0.0),      # "$" before the number: no strict match
+        ("#### 1,234 dollars", "1234", 1.0, 0.0),   # flexible keeps the comma
+        ("#### -3", "-3", 1.0, 1.0),
+        ("#### 3", "-3", 0.0, 0.0),
+        ("#### 42.00", "42", 0.0, 0.0),         # compared as strings, as verl does
+        ("####42", "42", 0.0, 1.0),             # strict needs "#### "
+        ("#### 42.", "42", 0.0, 0.0),           # the period is part of the number
+        ("the answer is 42", "42", 0.0, 1.0),
+        ("#### 41 wait #### 42", "42", 1.0, 1.0),   # the last one counts
+        ("#### 42 wait #### 41", "42", 0.0, 0.0),
+        ("#### 42, so 7 more", "42", 1.0, 0.0),
+        ("#### ", "42", 0.0, 0.0),
+        ("", "42", 0.0, 0.0),
+        ("#### 42" + " pad" * 100, "42", 0.0, 0.0),   # only the last 300 characters are read
     ],
 )
-def test_gsm8k(resp, gt, expected):
-    assert gsm8k_score(resp, gt, None) == expected
+def test_gsm8k_strict_and_flexible_as_verl(resp, gt, strict, flexible):
+    assert gsm8k_score(resp, gt, None) == strict
+    assert SCORERS.get("gsm8k_flexible")(resp, gt, None) == flexible
 
 
-def test_gsm8k_rejects_non_numeric_ground_truth():
-    with pytest.raises(ValueError, match="'forty'"):
-        gsm8k_score("#### 40", "forty", None)
+def test_reward_scorer_scores_every_sample_with_one_scorer():
+    manager = RewardManager(scorer="gsm8k_flexible")
+    result = manager.score(["it is 7", "#### 7"], ["arith", "openai/gsm8k"], ["7", "7"],
+                           [None, None])
+    assert result.scores == [1.0, 1.0]
+    assert RewardManager().score(["it is 7"], ["openai/gsm8k"], ["7"], [None]).scores == [0.0]
+
+
+def test_reward_scorer_config_is_checked():
+    from dagrl.config.loader import ConfigError, load_config
+    from dagrl.config.schema import Config
+
+    with pytest.raises(ConfigError, match="gsm8k_flexible"):
+        load_config(Config, None, ["reward.scorer=gsm8k_flexibel"])
+    with pytest.raises(ConfigError, match="reward.scorer and custom_fn"):
+        load_config(Config, None, ["reward.scorer=gsm8k", "reward.custom_fn=x.py:f"])
 
 
 # --------------------------------------------------------------------------- math

@@ -260,6 +260,10 @@ class RewardConfig:
     # compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict.
     # Empty: the built-in scorer registered for each sample's data_source.
     custom_fn: str = ""
+    # A built-in scorer by its registered name that scores every sample, whatever its
+    # data_source (e.g. gsm8k_flexible: verl's flexible GSM8K extraction). Empty: each sample's
+    # data_source picks its scorer (openai/gsm8k -> verl's strict GSM8K score).
+    scorer: str = ""
     # A scorer that raises or returns a non-number: stop with an error naming the sample, or
     # count it (metric reward/errors, first message logged) and give it error_score.
     on_error: Literal["raise", "count"] = "raise"
@@ -271,6 +275,13 @@ class RewardConfig:
 
     def __post_init__(self) -> None:
         _check(self.overlong_buffer_len >= 0, "overlong_buffer_len must be >= 0")
+        _check(not (self.scorer and self.custom_fn),
+               "scorer and custom_fn are both set; keep one (each scores every sample)")
+        if self.scorer:
+            from dagrl.rewards.scorers import SCORERS
+
+            _check(self.scorer in SCORERS,
+                   f"scorer: {SCORERS.unknown_message(self.scorer)}")
 
 
 @dataclass

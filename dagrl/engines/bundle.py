@@ -111,7 +111,7 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
     if "reward" in needed:
         r = cfg.reward
         engines.reward_manager = RewardManager(on_error=r.on_error, custom_fn=r.custom_fn,
-                                               error_score=r.error_score)
+                                               error_score=r.error_score, scorer=r.scorer)
     a = cfg.algorithm
     if a.kl_in_reward:
         engines.kl_controller = (AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)

@@ -77,9 +77,11 @@ class RewardManager:
             ``fn(data_source, solution_str, ground_truth, extra_info=None)``; when set it
             scores every sample, whatever its data_source.
         error_score: reward of a failed sample under ``on_error="count"``.
+        scorer: a registered scorer name that scores every sample, whatever its data_source.
     """
 
-    def __init__(self, *, on_error: str = "raise", custom_fn: str = "", error_score: float = 0.0):
+    def __init__(self, *, on_error: str = "raise", custom_fn: str = "", error_score: float = 0.0,
+                 scorer: str = ""):
         if on_error not in ON_ERROR_CHOICES:
             raise ValueError(
                 f"reward.on_error must be one of {', '.join(map(repr, ON_ERROR_CHOICES))}, "
@@ -92,6 +94,7 @@ class RewardManager:
         self.custom_fn_spec = custom_fn
         # Loaded here so a bad spec fails at start-up, not after the first rollout.
         self.custom_fn = load_function(custom_fn) if custom_fn else None
+        self.scorer = SCORERS.get(scorer) if scorer else None
 
     def _resolve(self, data_source: str, index: int) -> tuple[Callable[..., Any], str]:
         """(fn(solution_str, ground_truth, extra_info), name) for one sample's data_source."""
@@ -101,6 +104,8 @@ class RewardManager:
                 lambda resp, gt, info: custom(data_source, resp, gt, info),
                 f"custom_fn {self.custom_fn_spec!r}",
             )
+        if self.scorer is not None:
+            return self.scorer, _scorer_name(self.scorer)
         if data_source not in SCORERS:
             # A configuration error rather than a sample failure, so it is raised under
             # on_error="count" too.

@@ -8,7 +8,6 @@ Register a new one with ``@SCORERS.register("my/data_source")``.
 from __future__ import annotations
 
 import re
-from decimal import Decimal
 
 from dagrl.registry import Registry
 
@@ -49,36 +48,46 @@ def arith_score(solution_str: str, ground_truth: str, extra_info: dict | None = 
 # ---------------------------------------------------------------------------------------------
 # GSM8K: "... #### 42"
 
-# After the last "####": optional "$", a sign, digits with thousands commas, optional decimals.
-_GSM8K_ANSWER = re.compile(r"\s*\$?\s*(-?\s*\$?\s*[0-9][0-9,]*(?:\.[0-9]+)?)")
+# verl's extraction (verl/utils/reward_score/gsm8k.py), so scores compare across frameworks:
+# only the last 300 characters are searched; "strict" takes the number after the last "#### "
+# (commas and "$" removed), "flexible" the last number anywhere; the answer is compared with the
+# ground truth as a string.
+_GSM8K_CLIP_CHARS = 300
+_STRICT = re.compile(r"#### (\-?[0-9\.\,]+)")
+_ANY_NUMBER = re.compile(r"(\-?[0-9\.\,]+)")
 
 
-def _as_decimal(text: str) -> Decimal | None:
-    """``"$1,234.50"`` -> ``Decimal("1234.50")``; None when the text is not a plain number."""
-    cleaned = re.sub(r"[\s,$]", "", text)
-    if not re.fullmatch(r"-?[0-9]+(?:\.[0-9]+)?", cleaned):
-        return None
-    return Decimal(cleaned)
+def gsm8k_answer(solution_str: str, method: str = "strict") -> str | None:
+    """The answer verl's GSM8K scorer extracts from a response, or None."""
+    tail = solution_str[-_GSM8K_CLIP_CHARS:]
+    if method == "strict":
+        found = _STRICT.findall(tail)
+        return found[-1].replace(",", "").replace("$", "") if found else None
+    if method == "flexible":
+        numbers = [n for n in _ANY_NUMBER.findall(tail) if n not in ("", ".")]
+        return numbers[-1] if numbers else None
+    raise ValueError(f"gsm8k extraction method {method!r} is not strict or flexible")
 
 
 @SCORERS.register("openai/gsm8k", "gsm8k")
 def gsm8k_score(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
-    """1.0 if the number after the last ``####`` equals the ground truth, else 0.0.
+    """verl's GSM8K score, strict extraction: 1.0 if the number after the last ``#### `` equals
+    the ground truth (as a string, commas and ``$`` removed), else 0.0; no format bonus.
 
-    Commas, ``$`` and spaces are removed and both sides are compared as numbers, so "42",
-    "42.0", "42.00" and "$42" are equal. No ``####`` (or no number after it) scores 0.0.
+    So "#### 42" scores 1 for "42", but "####42" (no space), "#### 42.0" and "#### 42." do not:
+    the strictness is verl's, kept so that rewards and accuracies compare with its runs.
     """
-    expected = _as_decimal(str(ground_truth))
-    if expected is None:
-        raise ValueError(f"gsm8k ground truth {ground_truth!r} is not a number")
-    _, sep, tail = solution_str.rpartition("####")
-    if not sep:
-        return 0.0
-    match = _GSM8K_ANSWER.match(tail)
-    if match is None:
-        return 0.0
-    answer = _as_decimal(match.group(1))
-    return float(answer is not None and answer == expected)
+    answer = gsm8k_answer(solution_str, "strict")
+    return float(answer is not None and answer == str(ground_truth).strip())
+
+
+@SCORERS.register("gsm8k_flexible")
+def gsm8k_flexible_score(solution_str: str, ground_truth: str,
+                         extra_info: dict | None = None) -> float:
+    """verl's GSM8K score, flexible extraction: the last number in the response (anywhere, no
+    ``####`` needed) against the ground truth; select it with ``reward.scorer=gsm8k_flexible``."""
+    answer = gsm8k_answer(solution_str, "flexible")
+    return float(answer is not None and answer == str(ground_truth).strip())
 
 
 # ---------------------------------------------------------------------------------------------
