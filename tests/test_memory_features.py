@@ -123,3 +123,27 @@ def test_gradients_are_freed_after_each_optimizer_step(tmp_path):
     assert [m["actor/optimizer_steps"] for m in history] == [2.0, 2.0]   # 2 mini-batches a step
     assert worker.engines.actor.version == 4
     assert all(p.grad is None for p in worker.engines.actor.model.parameters())
+
+
+def test_one_worker_native_rollout_reads_the_actor_weights_without_a_copy(tmp_path):
+    # The decoder generates with the trained parameters themselves: no second model, nothing
+    # to sync, and its log-probs still equal the actor's after every update.
+    from dagrl.config.loader import load_config
+    from dagrl.config.schema import Config
+    from dagrl.runtime.run_dir import prepare_run
+    from dagrl.runtime.worker import Worker
+
+    cfg = load_config(Config, None, [f"trainer.run_dir={tmp_path / 'run'}",
+                                     "trainer.total_steps=3", "rollout.backend=native",
+                                     "actor.skip_on_policy_old_logprob=false",
+                                     "trainer.torch_threads=1", "logging.progress_bar=false",
+                                     "logging.console_every=1000"])
+    worker = Worker(prepare_run(cfg))
+    history = worker.train()
+    engines = worker.engines
+    assert engines.rollout.model is engines.actor.model
+    assert all(p.requires_grad for p in engines.actor.model.parameters())   # still trainable
+    assert engines.rollout.weights_version == engines.actor.version == 3
+    assert all(m["timing/weight_sync_s"] == 0.0 for m in history)
+    assert all(m["actor/rollout_logprob_gap"] < 1e-5 for m in history)
+    assert history[-1]["reward/mean"] != history[0]["reward/mean"]   # it did train

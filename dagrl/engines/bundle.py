@@ -2,7 +2,8 @@
 
 Actor and reference are FSDP2-sharded over all workers (under LoRA the reference is the
 actor's own model with its adapters off, engines/lora.py); the rollout engine holds a full,
-unsharded copy on each worker (generation needs every weight at every step). After each actor
+unsharded copy on each worker (generation needs every weight at every step), except with one
+worker and the native decoder, which then reads the actor's own weights. After each actor
 update every worker takes part in gathering the full weights, bucket by bucket
 (engines/weight_sync.py), and the ones that generate copy them into their rollout engine in
 place, so no second full copy of the model is held.
@@ -47,6 +48,9 @@ class Engines:
         """After an update: gather the actor's full weights (collective over the actor's ranks)
         and load them into this worker's rollout engine. Returns the seconds spent."""
         if self.actor is None or self.synced_version == self.actor.version:
+            return 0.0
+        if getattr(self.rollout, "shared", False):   # generates with the actor's own weights
+            self.rollout.weights_version = self.synced_version = self.actor.version
             return 0.0
         start = time.perf_counter()
         weights = self.actor.full_weights()
@@ -98,8 +102,11 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
                                       dp_group=dp_group)
     if "rollout" in needed:
         # Starts from the same checkpoint as the actor: nothing to sync before the first update.
+        # One worker: the native decoder reads the actor's own (whole) weights, no copy.
+        whole_actor = engines.actor.model if engines.actor and world_size == 1 else None
         engines.rollout = build_rollout(cfg, load, device, eos_token_id=tokenizer.eos_token_id,
-                                        pad_token_id=tokenizer.pad_token_id)
+                                        pad_token_id=tokenizer.pad_token_id,
+                                        actor_model=whole_actor)
     if "ref" in needed and cfg.actor.lora.rank and engines.actor is not None:
         # Under LoRA the reference is the frozen base: the actor with its adapters off.
         engines.ref_model = ReferenceView(engines.actor.model)

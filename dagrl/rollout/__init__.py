@@ -45,10 +45,20 @@ def model_rollout(backend: str, model: torch.nn.Module, *, eos_token_id: int, pa
                                    stop_token_ids=stop_token_ids)
 
 
+def native_can_share(backend: str, model: torch.nn.Module) -> bool:
+    """Whether the native decoder can generate with `model` itself: the backend is native (or
+    auto picking it) and the model is a plain supported HF model (not LoRA-wrapped, which
+    needs merged weights)."""
+    return backend in ("native", "auto") and unsupported_reason(model) is None
+
+
 def build_rollout(cfg: Config, load_model: Callable[[], torch.nn.Module], device: torch.device,
-                  *, eos_token_id: int, pad_token_id: int) -> RolloutEngine:
+                  *, eos_token_id: int, pad_token_id: int,
+                  actor_model: torch.nn.Module | None = None) -> RolloutEngine:
     """The engine `rollout.backend` names. `load_model` gives a fresh copy of the policy (used
-    by the in-process backends; vLLM loads `model.path` itself, servers hold their own)."""
+    by the in-process backends; vLLM loads `model.path` itself, servers hold their own).
+    `actor_model`: the whole (unsharded) trained model, which the native decoder then reads in
+    place instead of holding a copy (see `native_can_share`)."""
     stop = cfg.rollout.stop_token_ids
     if cfg.rollout.backend == "server":
         return ServerRollout(ServerSettings.from_config(cfg), eos_token_id=eos_token_id,
@@ -56,6 +66,9 @@ def build_rollout(cfg: Config, load_model: Callable[[], torch.nn.Module], device
     if cfg.rollout.backend == "vllm":
         return VLLMRollout(VLLMSettings.from_config(cfg), device, eos_token_id=eos_token_id,
                            pad_token_id=pad_token_id, stop_token_ids=stop)
+    if actor_model is not None and native_can_share(cfg.rollout.backend, actor_model):
+        return NativeRollout(actor_model, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                             stop_token_ids=stop, shared=True)
     return model_rollout(cfg.rollout.backend, load_model(), eos_token_id=eos_token_id,
                          pad_token_id=pad_token_id, stop_token_ids=stop)
 

@@ -88,8 +88,11 @@ class ModelCopy:
     and copies new weights into its parameters in place, so no second copy is ever made."""
 
     def __init__(self, model: torch.nn.Module, *, eos_token_id: int, pad_token_id: int,
-                 stop_token_ids: Sequence[int] = ()) -> None:
-        self.model = model.eval().requires_grad_(False)
+                 stop_token_ids: Sequence[int] = (), shared: bool = False) -> None:
+        """`shared`: `model` is the trained actor itself (one worker, native decoder), not a
+        copy: it is left trainable, and there is never anything to sync."""
+        self.model = model if shared else model.eval().requires_grad_(False)
+        self.shared = shared
         self.pad_token_id = pad_token_id
         self.stop_token_ids = stop_tokens(eos_token_id, stop_token_ids)
         self.weights_version = 0

@@ -21,15 +21,16 @@ unsupported_reason = fast_path_unsupported
 
 class NativeRollout(ModelCopy):
     def __init__(self, model: torch.nn.Module, *, eos_token_id: int, pad_token_id: int,
-                 stop_token_ids: Sequence[int] = ()) -> None:
+                 stop_token_ids: Sequence[int] = (), shared: bool = False) -> None:
         reason = fast_path_unsupported(model)
         if reason is not None:
             raise ValueError(f"rollout.backend=native cannot run this model: {reason}; use "
                              "rollout.backend=hf (or auto)")
         super().__init__(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
-                         stop_token_ids=stop_token_ids)
+                         stop_token_ids=stop_token_ids, shared=shared)
         # The decoder reads the model's own weight tensors on every call, so in-place
-        # `update_weights` copies reach it with nothing to resynchronise.
+        # `update_weights` copies (or, shared with the actor, its optimizer's in-place steps)
+        # reach it with nothing to resynchronise.
         self.decoder = FastDecoder(self.model)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,

@@ -93,7 +93,8 @@ def _shares_storage(linears: Sequence[torch.nn.Linear], fused: torch.Tensor) -> 
                for m in linears)
 
 
-@torch.no_grad()
+@torch.inference_mode(False)   # ordinary tensors, even when called while decoding: they become
+@torch.no_grad()               # the modules' parameters, which a shared actor trains
 def _fuse(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Stack the weights (and biases) of projections that read the same input into one tensor
     and make each module's parameter a view of its rows: [sum N_i, K] (and [sum N_i]).
