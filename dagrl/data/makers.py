@@ -139,4 +139,11 @@ def make_arith(
     return paths
 
 
-MAKERS: dict[str, Callable[..., dict[str, Path]]] = {"arith": make_arith}
+def _make_gsm8k_synth(out_dir: str | Path, *, seed: int = 0, **kwargs) -> dict[str, Path]:
+    from dagrl.data.gsm8k_synth import make_gsm8k_synth
+
+    return make_gsm8k_synth(out_dir, seed=seed, **kwargs)
+
+
+MAKERS: dict[str, Callable[..., dict[str, Path]]] = {"arith": make_arith,
+                                                    "gsm8k-synth": _make_gsm8k_synth}

@@ -1,0 +1,205 @@
+"""`gsm8k-synth`: grade-school word problems made in code, in verl's GSM8K parquet layout.
+
+No dataset can be downloaded here, so this maker writes problems of GSM8K's kind — two or three
+arithmetic steps wrapped in a short story with varied names, objects and numbers — exactly as
+verl's `examples/data_preprocess/gsm8k.py` lays out the real one:
+
+    data_source   "openai/gsm8k"          (so the same GSM8K scorer applies)
+    prompt        [{"role": "user", "content": question + INSTRUCTION}]
+    ability       "math"
+    reward_model  {"style": "rule", "ground_truth": "<integer>"}
+    extra_info    {"split", "index", "answer": worked solution ending "#### N", "question"}
+
+so a user's real GSM8K parquet files load and score unchanged. Every answer is a non-negative
+integer, every intermediate value too (no fractions, no negative counts).
+
+    dagrl data make gsm8k-synth --out data/gsm8k-synth
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+
+import pyarrow as pa
+
+# The instruction verl's GSM8K preprocessing appends to every question.
+INSTRUCTION = " Let's think step by step and output the final answer after \"####\"."
+
+_SCHEMA = pa.schema([
+    ("data_source", pa.string()),
+    ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ("ability", pa.string()),
+    ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+    ("extra_info", pa.struct([("split", pa.string()), ("index", pa.int64()),
+                              ("answer", pa.string()), ("question", pa.string())])),
+])
+
+NAMES = ["Ava", "Ben", "Chloe", "Diego", "Emma", "Farah", "Gus", "Hana", "Ivan", "Jade", "Kofi",
+         "Lena", "Mateo", "Nora", "Omar", "Priya", "Quinn", "Rosa", "Sam", "Tara", "Uma", "Victor",
+         "Wen", "Yusuf", "Zoe"]
+ITEMS = ["apples", "stickers", "marbles", "pencils", "cookies", "books", "shells", "cards",
+         "stamps", "beads", "oranges", "crayons"]
+CONTAINERS = ["boxes", "bags", "packs", "jars", "baskets"]
+
+
+class _Problem:
+    """A question and its worked solution, built step by step (GSM8K's `<<a*b=c>>` notes)."""
+
+    def __init__(self, question: str) -> None:
+        self.question, self.lines = question, []
+
+    def step(self, text: str, expression: str, value: int) -> int:
+        assert value >= 0 and value == int(value), (expression, value)   # maker invariant
+        self.lines.append(f"{text} {expression} = <<{expression}={value}>>{value}.")
+        return value
+
+    def solution(self, answer: int) -> str:
+        return "\n".join([*self.lines, f"#### {answer}"])
+
+
+# Each template draws its numbers from `r` and returns (problem, answer). `hi` bounds the
+# numbers a template draws (difficulty).
+def _packs_given_away(r: random.Random, hi: int) -> tuple[_Problem, int]:
+    name, item, box = r.choice(NAMES), r.choice(ITEMS), r.choice(CONTAINERS)
+    packs, per = r.randint(2, 9), r.randint(2, hi)
+    gift = r.randint(1, packs * per - 1)
+    p = _Problem(f"{name} buys {packs} {box} of {item}. Each of the {box} holds {per} {item}. "
+                 f"{name} gives {gift} {item} to a friend. How many {item} does {name} have left?")
+    total = p.step(f"{name} buys", f"{packs}*{per}", packs * per)
+    return p, p.step("After the gift there are", f"{total}-{gift}", total - gift)
+
+
+def _hourly_pay(r: random.Random, hi: int) -> tuple[_Problem, int]:
+    name, rate = r.choice(NAMES), r.randint(5, hi + 5)
+    mon, tue = r.randint(2, 9), r.randint(2, 9)
+    p = _Problem(f"{name} earns ${rate} an hour. {name} works {mon} hours on Monday and {tue} "
+                 f"hours on Tuesday. How many dollars does {name} earn in the two days?")
+    hours = p.step(f"{name} works", f"{mon}+{tue}", mon + tue)
+    return p, p.step(f"{name} earns", f"{hours}*{rate}", hours * rate)
+
+
+def _change_back(r: random.Random, hi: int) -> tuple[_Problem, int]:
+    name, item = r.choice(NAMES), r.choice(ITEMS)
+    count, price = r.randint(2, 9), r.randint(1, max(2, hi // 2))
+    bill = next(b for b in (10, 20, 50, 100, 200, 500) if b >= count * price)
+    p = _Problem(f"{name} buys {count} {item} that cost ${price} each and pays with a ${bill} "
+                 f"bill. How many dollars of change does {name} get?")
+    cost = p.step("The cost is", f"{count}*{price}", count * price)
+    return p, p.step(f"{name} gets back", f"{bill}-{cost}", bill - cost)
+
+
+def _pages_left(r: random.Random, hi: int) -> tuple[_Problem, int]:
+    name, per_day, days = r.choice(NAMES), r.randint(2, hi), r.randint(2, 7)
+    pages = per_day * days + r.randint(0, 5 * hi)
+    p = _Problem(f"A book has {pages} pages. {name} reads {per_day} pages every day for {days} "
+                 "days. How many pages are still left to read?")
+    read = p.step(f"{name} reads", f"{per_day}*{days}", per_day * days)
+    return p, p.step("Left to read:", f"{pages}-{read}", pages - read)
+
+
+def _ages(r: random.Random, hi: int) -> tuple[_Problem, int]:
+    a, b = r.sample(NAMES, 2)
+    age, gap, years = r.randint(3, 12), r.randint(2, hi), r.randint(2, 10)
+    p = _Problem(f"{a} is {age} years old. {b} is {gap} years older than {a}. How old will {b} "
+                 f"be in {years} years?")
+    now = p.step(f"{b} is now", f"{age}+{gap}", age + gap)
+    return p, p.step(f"In {years} years {b} will be", f"{now}+{years}", now + years)
+
+
+def _share_then_buy(r: random.Random, hi: int) -> tuple[_Problem, int]:
+    name, item = r.choice(NAMES), r.choice(ITEMS)
+    friends, each, more = r.randint(2, 6), r.randint(2, hi), r.randint(1, hi)
+    total = friends * each
+    p = _Problem(f"{name} has {total} {item} and shares them equally among {friends} friends. "
+                 f"One friend then buys {more} more {item}. How many {item} does that friend "
+                 "have now?")
+    share = p.step("Each friend gets", f"{total}/{friends}", each)
+    return p, p.step("That friend has", f"{share}+{more}", share + more)
+
+
+def _bake_and_bag(r: random.Random, hi: int) -> tuple[_Problem, int]:
+    name = r.choice(NAMES)
+    trays, per_tray, bag = r.randint(2, 5), r.randint(3, hi + 3), r.randint(2, 6)
+    total = trays * per_tray
+    eaten = total % bag or bag           # what is left then fills whole bags
+    if eaten >= total:
+        eaten = total % bag
+    p = _Problem(f"{name} bakes {trays} trays of {per_tray} cookies. {name} eats {eaten} of them "
+                 f"and packs the rest into bags of {bag}. How many bags does {name} fill?")
+    baked = p.step(f"{name} bakes", f"{trays}*{per_tray}", total)
+    rest = p.step("After eating there are", f"{baked}-{eaten}", baked - eaten)
+    return p, p.step(f"{name} fills", f"{rest}/{bag}", rest // bag)
+
+
+def _savings_weeks(r: random.Random, hi: int) -> tuple[_Problem, int]:
+    name = r.choice(NAMES)
+    thing = r.choice(["bike", "game", "jacket", "tent", "guitar", "scooter"])
+    weekly, weeks, saved = r.randint(3, hi), r.randint(2, 12), r.randint(5, 60)
+    price = saved + weekly * weeks
+    p = _Problem(f"{name} wants a {thing} that costs ${price}. {name} has saved ${saved} and "
+                 f"saves ${weekly} more every week. How many weeks until {name} can buy it?")
+    need = p.step(f"{name} still needs", f"{price}-{saved}", price - saved)
+    return p, p.step("That takes", f"{need}/{weekly}", need // weekly)
+
+
+def _rows_of_plants(r: random.Random, hi: int) -> tuple[_Problem, int]:
+    name = r.choice(NAMES)
+    plant = r.choice(["tulips", "tomato plants", "roses", "carrots", "sunflowers"])
+    rows, per_row, extra_rows = r.randint(2, 9), r.randint(2, hi), r.randint(1, 4)
+    p = _Problem(f"{name} plants {rows} rows of {plant} with {per_row} in each row. Then "
+                 f"{name} adds {extra_rows} more rows of the same size. How many {plant} are "
+                 "there in all?")
+    all_rows = p.step("There are", f"{rows}+{extra_rows}", rows + extra_rows)
+    return p, p.step("In all there are", f"{all_rows}*{per_row}", all_rows * per_row)
+
+
+TEMPLATES: list[Callable[[random.Random, int], tuple[_Problem, int]]] = [
+    _packs_given_away, _hourly_pay, _change_back, _pages_left, _ages, _share_then_buy,
+    _bake_and_bag, _savings_weeks, _rows_of_plants]
+
+
+def _rows(problems: list[tuple[_Problem, int]], split: str) -> dict[str, list]:
+    cols: dict[str, list] = {name: [] for name in _SCHEMA.names}
+    for index, (p, answer) in enumerate(problems):
+        cols["data_source"].append("openai/gsm8k")
+        cols["prompt"].append([{"role": "user", "content": p.question + INSTRUCTION}])
+        cols["ability"].append("math")
+        cols["reward_model"].append({"style": "rule", "ground_truth": str(answer)})
+        cols["extra_info"].append({"split": split, "index": index,
+                                   "answer": p.solution(answer), "question": p.question})
+    return cols
+
+
+def make_gsm8k_synth(out_dir: str | Path, *, seed: int = 0, n_train: int = 4096,
+                     n_test: int = 256, max_number: int = 12,
+                     row_group_size: int = 256) -> dict[str, Path]:
+    """Write `train.parquet` (n_train rows) and `test.parquet` (n_test rows, no question shared
+    with train) of seeded word problems; `max_number` bounds the numbers a template draws."""
+    from dagrl.data.makers import _check_int, write_parquet_atomic
+
+    for key, value, low in (("seed", seed, 0), ("n_train", n_train, 1), ("n_test", n_test, 0),
+                            ("max_number", max_number, 3), ("row_group_size", row_group_size, 1)):
+        _check_int(key, value, low)
+    r = random.Random(seed)
+    seen: set[str] = set()
+    problems: list[tuple[_Problem, int]] = []
+    attempts = 0
+    while len(problems) < n_train + n_test:
+        attempts += 1
+        if attempts > 50 * (n_train + n_test):
+            raise ValueError(f"gsm8k-synth: only {len(problems)} distinct problems for "
+                             f"n_train + n_test = {n_train + n_test}; raise max_number")
+        problem, answer = r.choice(TEMPLATES)(r, max_number)
+        if problem.question not in seen:
+            seen.add(problem.question)
+            problems.append((problem, answer))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {}
+    for split, rows in (("train", problems[n_test:]), ("test", problems[:n_test])):
+        table = pa.Table.from_pydict(_rows(rows, split), schema=_SCHEMA)
+        paths[split] = write_parquet_atomic(table, out / f"{split}.parquet",
+                                            row_group_size=row_group_size)
+    return paths
