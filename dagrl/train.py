@@ -34,7 +34,18 @@ def split_config_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
 def load_cli_config(args: Sequence[str]) -> Config:
     """[CONFIG.yaml] [key=value ...] -> the config, with algorithm.name's preset applied."""
     path, overrides = split_config_args(args)
-    return load_run_config(path, overrides)
+    cfg = load_run_config(path, overrides)
+    check_registered_names(cfg)
+    return cfg
+
+
+def check_registered_names(cfg: Config) -> None:
+    """Names the config looks up in a registry above the config layer, checked at load so a
+    typo fails in a second, not after the model has loaded."""
+    from dagrl.rewards.scorers import SCORERS
+
+    if cfg.reward.scorer and cfg.reward.scorer not in SCORERS:
+        raise ConfigError(f"reward.scorer: {SCORERS.unknown_message(cfg.reward.scorer)}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

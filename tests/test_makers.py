@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dagrl.data import makers
+from dagrl.data import parquet_write
 from dagrl.data.makers import MAKERS, make_arith
 
 APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -118,7 +118,7 @@ def test_interrupted_write_keeps_old_file_and_leaves_no_temp(tmp_path, monkeypat
             f.write(b"PAR1 half")
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(makers.pq, "write_table", half_write)
+    monkeypatch.setattr(parquet_write.pq, "write_table", half_write)
     with pytest.raises(RuntimeError, match="disk full"):
         make_arith(tmp_path, seed=9)
     assert (tmp_path / "train.parquet").read_bytes() == before

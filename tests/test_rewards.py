@@ -90,13 +90,13 @@ def test_reward_scorer_scores_every_sample_with_one_scorer():
 
 
 def test_reward_scorer_config_is_checked():
-    from dagrl.config.loader import ConfigError, load_config
-    from dagrl.config.schema import Config
+    from dagrl.config.loader import ConfigError
+    from dagrl.train import load_cli_config
 
-    with pytest.raises(ConfigError, match="gsm8k_flexible"):
-        load_config(Config, None, ["reward.scorer=gsm8k_flexibel"])
+    with pytest.raises(ConfigError, match="reward.scorer: .*gsm8k_flexible"):
+        load_cli_config(["reward.scorer=gsm8k_flexibel"])
     with pytest.raises(ConfigError, match="reward.scorer and custom_fn"):
-        load_config(Config, None, ["reward.scorer=gsm8k", "reward.custom_fn=x.py:f"])
+        load_cli_config(["reward.scorer=gsm8k", "reward.custom_fn=x.py:f"])
 
 
 # --------------------------------------------------------------------------- math

@@ -278,11 +278,8 @@ class RewardConfig:
         _check(self.overlong_buffer_len >= 0, "overlong_buffer_len must be >= 0")
         _check(not (self.scorer and self.custom_fn),
                "scorer and custom_fn are both set; keep one (each scores every sample)")
-        if self.scorer:
-            from dagrl.rewards.scorers import SCORERS
-
-            _check(self.scorer in SCORERS,
-                   f"scorer: {SCORERS.unknown_message(self.scorer)}")
+        # The scorer's name is checked against the registry by dagrl.train before any work
+        # starts (the registry lives in the rewards layer, above config).
 
 
 @dataclass

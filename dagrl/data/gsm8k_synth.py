@@ -24,6 +24,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from dagrl.data.parquet_write import check_int, write_parquet_atomic
+
 # The instruction verl's GSM8K preprocessing appends to every question.
 INSTRUCTION = " Let's think step by step and output the final answer after \"####\"."
 
@@ -177,11 +179,9 @@ def make_gsm8k_synth(out_dir: str | Path, *, seed: int = 0, n_train: int = 4096,
                      row_group_size: int = 256) -> dict[str, Path]:
     """Write `train.parquet` (n_train rows) and `test.parquet` (n_test rows, no question shared
     with train) of seeded word problems; `max_number` bounds the numbers a template draws."""
-    from dagrl.data.makers import _check_int, write_parquet_atomic
-
     for key, value, low in (("seed", seed, 0), ("n_train", n_train, 1), ("n_test", n_test, 0),
                             ("max_number", max_number, 3), ("row_group_size", row_group_size, 1)):
-        _check_int(key, value, low)
+        check_int(key, value, low)
     r = random.Random(seed)
     seen: set[str] = set()
     problems: list[tuple[_Problem, int]] = []

@@ -14,14 +14,14 @@ so files made here and files made by verl's example preprocessors load the same 
 
 from __future__ import annotations
 
-import os
 import random
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
+
+from dagrl.data.gsm8k_synth import make_gsm8k_synth
+from dagrl.data.parquet_write import check_int, write_parquet_atomic
 
 ARITH_OPS = "+-*"
 
@@ -55,30 +55,6 @@ def _apply(a: int, op: str, b: int) -> int:
     return a * b
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
-    # bool is an int subclass, but `n_test=True` is a bug, not a count
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
-
-
-def write_parquet_atomic(table: pa.Table, path: str | Path, *, row_group_size: int) -> Path:
-    """Write ``table`` to ``path`` via a temp file in the same directory and ``os.replace``.
-
-    The rename is atomic on POSIX, so an interrupted write never leaves a truncated file
-    where a loader would look for a dataset.
-    """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        pq.write_table(table, tmp, row_group_size=row_group_size)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
-
-
 def _arith_rows(problems: list[tuple[int, str, int]], split: str) -> dict[str, list]:
     cols: dict[str, list] = {name: [] for name in _ARITH_SCHEMA.names}
     for index, (a, op, b) in enumerate(problems):
@@ -108,10 +84,10 @@ def make_arith(
 
     Returns ``{"train": path, "test": path}``.
     """
-    _check_int("max_operand", max_operand, 0)
-    _check_int("n_test", n_test, 0)
-    _check_int("row_group_size", row_group_size, 1)
-    _check_int("seed", seed, 0)
+    check_int("max_operand", max_operand, 0)
+    check_int("n_test", n_test, 0)
+    check_int("row_group_size", row_group_size, 1)
+    check_int("seed", seed, 0)
     if not isinstance(ops, str) or not ops:
         raise ValueError(f"ops must be a non-empty string of operators {ARITH_OPS!r}, got {ops!r}")
     for op in ops:
@@ -139,11 +115,5 @@ def make_arith(
     return paths
 
 
-def _make_gsm8k_synth(out_dir: str | Path, *, seed: int = 0, **kwargs) -> dict[str, Path]:
-    from dagrl.data.gsm8k_synth import make_gsm8k_synth
-
-    return make_gsm8k_synth(out_dir, seed=seed, **kwargs)
-
-
 MAKERS: dict[str, Callable[..., dict[str, Path]]] = {"arith": make_arith,
-                                                    "gsm8k-synth": _make_gsm8k_synth}
+                                                    "gsm8k-synth": make_gsm8k_synth}
