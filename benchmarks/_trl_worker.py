@@ -17,6 +17,8 @@ import argparse
 import itertools
 import json
 import os
+import re
+import resource
 import sys
 import tempfile
 import time
@@ -44,6 +46,23 @@ def arith_reward(completions: list, ground_truth: list[str], **_: object) -> lis
     return rewards
 
 
+_ANY_NUMBER = re.compile(r"(\-?[0-9\.\,]+)")
+
+
+def gsm8k_flexible_reward(completions: list, ground_truth: list[str], **_: object) -> list[float]:
+    """dagrl's `gsm8k_flexible` scorer (verl's flexible GSM8K extraction) restated: the last
+    number in the last 300 characters equals the ground truth -> 1, else 0."""
+    rewards = []
+    for completion, gt in zip(completions, ground_truth, strict=True):
+        text = completion[0]["content"] if isinstance(completion, list) else completion
+        numbers = [n for n in _ANY_NUMBER.findall(text[-300:]) if n not in ("", ".")]
+        rewards.append(float(bool(numbers) and numbers[-1] == str(gt).strip()))
+    return rewards
+
+
+REWARDS = {"arith": arith_reward, "gsm8k_flexible": gsm8k_flexible_reward}
+
+
 def load_prompts(path: str):
     """The benchmark's verl-layout parquet as a conversational `datasets.Dataset`: the chat
     template then renders `<bos>a+b=`, the same tokens our side feeds its generator."""
@@ -69,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--beta", type=float, default=0.0,
+                        help="KL coefficient (> 0 loads TRL's reference model)")
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--reward", choices=tuple(REWARDS), default="arith")
     parser.add_argument("--compile", action="store_true",
                         help="TrainingArguments.torch_compile (the model wrapped in torch.compile)")
     ns = parser.parse_args(argv)
@@ -114,18 +137,19 @@ def main(argv: list[str] | None = None) -> int:
             # Exactly `tokens` completion tokens per sample: EOS is masked until then, as on ours.
             max_completion_length=ns.tokens, generation_kwargs={"min_new_tokens": ns.tokens},
             temperature=1.0, top_p=1.0, top_k=0,
-            beta=0.0,                       # no KL term, hence no reference model
+            beta=ns.beta,                   # 0: no KL term, hence no reference model
             disable_dropout=True,
             # Our actor's optimiser settings (throughput does not depend on them, but keep the
             # update the same kind of update).
-            learning_rate=3e-3, adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0,
+            learning_rate=ns.lr, adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0,
             max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0,
             torch_compile=ns.compile,
+            # Everything else (gradient checkpointing, loss type, ...) is TRL's default.
         )
         model = AutoModelForCausalLM.from_pretrained(ns.model, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(ns.model)
         clock = StepClock()
-        trainer = GRPOTrainer(model=model, reward_funcs=arith_reward, args=config,
+        trainer = GRPOTrainer(model=model, reward_funcs=REWARDS[ns.reward], args=config,
                               train_dataset=load_prompts(ns.data), processing_class=tokenizer,
                               callbacks=[clock])
         trainer.train()
@@ -135,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
                      "torch": torch.__version__},
         "threads": torch.get_num_threads(),
+        "config": {"gradient_checkpointing": config.gradient_checkpointing,
+                   "loss_type": config.loss_type, "beta": config.beta},
+        "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "step_seconds": [b[0] - a[0] for a, b in itertools.pairwise(clock.marks)],
         "step_cpu_seconds": [b[1] - a[1] for a, b in itertools.pairwise(clock.marks)],
         "mean_length": [log["completions/mean_length"] for log in step_logs],

@@ -22,6 +22,7 @@ def test_our_side_runs_and_reports_against_the_limit(tmp_path, capsys):
     assert len(ours["step_seconds"]) == 2                # each round's first step excluded
     assert ours["mean_length"] == [4.0] * 4              # min = max new tokens on our side
     assert ours["tokens_per_s"] > 0 and ours["fraction_of_limit"] > 0
+    assert 0.1 < ours["peak_rss_gb"] < 20                 # the child process's ru_maxrss
     assert data["limit"]["matmul_gflops"] > 0 and data["limit"]["tokens_per_s"] > 0
     for round_ in (1, 2):
         assert (tmp_path / "run" / f"ours-run{round_}" / "metrics.jsonl").exists()
@@ -29,11 +30,26 @@ def test_our_side_runs_and_reports_against_the_limit(tmp_path, capsys):
 
 def test_flops_count_the_workload_model():
     work = e2e.Workload()
-    flops = e2e.step_flops(work, prompt_tokens=6.0, vocab=48)
+    shape = e2e.ModelShape(hidden=128, layers=4, heads=4, kv_heads=2, intermediate=512, vocab=48,
+                           tied=True)
+    flops = e2e.step_flops(work, prompt_tokens=6.0, shape=shape, kl=False)
     # 4 layers x (2*128^2 + 2*128*64 + 3*128*512) + 48*128 tied head
     assert flops["matmul_params"] == 4 * (32768 + 16384 + 196608) + 6144
     assert flops["total"] == flops["generation"] + flops["update"] == 4 * flops["forward"]
     assert flops["update"] == 3 * flops["forward"]
+
+
+def test_flops_of_the_smollm2_workload_count_the_reference_forward():
+    # SmolLM2-135M's shape; 8 x 4 sequences of ~80 prompt + 48 completion tokens
+    shape = e2e.ModelShape(hidden=576, layers=30, heads=9, kv_heads=3, intermediate=1536,
+                           vocab=49152, tied=True)
+    work = e2e.Workload(steps=3, prompts=8, samples=4, tokens=48, name="smollm2")
+    flops = e2e.step_flops(work, prompt_tokens=80.0, shape=shape, kl=True)
+    assert flops["matmul_params"] == 30 * (2 * 576**2 + 2 * 576 * 192 + 3 * 576 * 1536) \
+        + 49152 * 576                                   # 134.5M: all but the embedding
+    assert flops["total"] == 5 * flops["forward"] == flops["generation"] + flops["reference"] \
+        + flops["update"]
+    assert 4.0e12 < flops["total"] < 6.0e12              # the issue's ~4.7 TFLOP/step
 
 
 def test_first_step_is_excluded():
@@ -48,14 +64,17 @@ def test_first_step_is_excluded():
 def test_rounds_pool_their_timed_steps():
     work = e2e.Workload(prompts=1, samples=1, tokens=10)
     runs = [{"step_seconds": [100.0, 1.0, 1.0], "step_cpu_seconds": [1.0, 2.0, 2.0],
-             "mean_length": [10.0] * 3, "load_before": 0.5, "load_after": 1.0},
+             "mean_length": [10.0] * 3, "load_before": 0.5, "load_after": 1.0,
+             "peak_rss_gb": 1.0},
             {"step_seconds": [50.0, 4.0], "step_cpu_seconds": [1.0, 2.0],
-             "mean_length": [10.0] * 2, "load_before": 0.2, "load_after": 0.7}]
+             "mean_length": [10.0] * 2, "load_before": 0.2, "load_after": 0.7,
+             "peak_rss_gb": 3.0}]
     pooled = e2e.pool(runs, work)
     assert pooled["step_seconds"] == [1.0, 1.0, 4.0]      # every round's first step left out
     assert pooled["tokens_per_s"] == 10 * 3 / 6.0
     assert pooled["tokens_per_s_median"] == 10.0
     assert (pooled["load_before"], pooled["load_after"]) == (0.2, 1.0)
+    assert pooled["peak_rss_gb"] == 3.0                  # the highest round
 
 
 def test_ratios_compare_each_pair_and_the_fastest_settings():
