@@ -16,6 +16,7 @@ from dagrl.engines.lora import (
     hf_name,
     lora_scalings,
     merged_weights,
+    plain_copy,
 )
 from dagrl.engines.models import load_model
 from tests.dist_helpers import run_distributed
@@ -62,6 +63,44 @@ def test_reference_view_is_the_base_model(tiny_model_dir):
         adapted = response_logprobs(model, *args).logprobs
     torch.testing.assert_close(ref, plain, atol=1e-6, rtol=0)
     assert (adapted - plain).abs().max() > 1e-3            # the adapters do change the policy
+
+
+def test_rollout_copy_shares_frozen_tensors_and_syncs_to_the_adapted_policy(tiny_model_dir):
+    from dagrl.rollout.hf import HFRollout
+
+    model = _lora_model(tiny_model_dir)
+    fresh = load_model(str(tiny_model_dir)).state_dict()
+    with torch.no_grad():                  # adapters away from their zero init: W + s·BA != W
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    rollout_copy = plain_copy(model)
+    base = model.get_base_model()
+    shared = {n for n, p in rollout_copy.named_parameters()
+              if any(p.data_ptr() == q.data_ptr() for q in base.parameters())}
+    # Embeddings, norms (and a tied LM head) are the actor's; no adapted linear is.
+    assert "model.embed_tokens.weight" in shared and "model.norm.weight" in shared
+    assert not any(n.endswith("proj.weight") for n in shared)
+    assert set(rollout_copy.state_dict()) == set(fresh)     # a plain HF model, every tensor
+    g = torch.Generator().manual_seed(2)
+    args = (torch.randint(4, 40, (3, 5), generator=g), torch.ones(3, 5, dtype=torch.long),
+            torch.randint(4, 40, (3, 4), generator=g), torch.ones(3, 4, dtype=torch.long))
+    with torch.no_grad():                   # built with the adapters merged in
+        torch.testing.assert_close(response_logprobs(rollout_copy, *args).logprobs,
+                                   response_logprobs(model, *args).logprobs, atol=1e-5, rtol=0)
+        for name, p in model.named_parameters():        # a later update moves the adapters
+            if "lora_A" in name:
+                p.add_(0.01)
+
+    engine = HFRollout(rollout_copy, eos_token_id=2, pad_token_id=0)
+    engine.update_weights(merged_weights(model.named_parameters(), lora_scalings(model)), 1)
+    with torch.no_grad():
+        torch.testing.assert_close(response_logprobs(engine.model, *args).logprobs,
+                                   response_logprobs(model, *args).logprobs, atol=1e-5, rtol=0)
+    for name, tensor in base.state_dict().items():          # the sync left the base untouched
+        if ".lora_" not in name:
+            torch.testing.assert_close(tensor, fresh[name.replace(".base_layer.", ".")],
+                                       atol=0, rtol=0, msg=name)
 
 
 def test_unknown_target_module_is_named(tiny_model_dir):

@@ -24,7 +24,7 @@ from dagrl.device import is_host
 from dagrl.engines.actor import ActorEngine
 from dagrl.engines.critic import CriticEngine, load_value_model
 from dagrl.engines.host_memory import keep_freed_memory
-from dagrl.engines.lora import ReferenceView, apply_lora
+from dagrl.engines.lora import ReferenceView, apply_lora, is_lora, plain_copy
 from dagrl.engines.models import load_model, load_tokenizer
 from dagrl.engines.sharding import checkpoint_activations, compile_layers, shard_model
 from dagrl.rewards.manager import RewardManager
@@ -64,8 +64,10 @@ class Engines:
 
 
 def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
-                  world_size: int = 1, log: Callable[[str], None] = print) -> Engines:
-    """Build the engines in `needed` (names from dagrl.roles.registry.ENGINES)."""
+                  world_size: int = 1, log: Callable[[str], None] = print,
+                  tokenizer=None) -> Engines:
+    """Build the engines in `needed` (names from dagrl.roles.registry.ENGINES); `tokenizer`:
+    the run's, when the caller has loaded it already (the worker does, for its pre-flight)."""
     m = cfg.model
     if cfg.trainer.keep_freed_memory and is_host(device):   # before any model is allocated
         keep_freed_memory()
@@ -76,7 +78,8 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
     def shard(model: torch.nn.Module) -> torch.nn.Module:
         return shard_model(model, world_size, device.type)
 
-    tokenizer = load_tokenizer(m.path, m.gguf_file)
+    if tokenizer is None:
+        tokenizer = load_tokenizer(m.path, m.gguf_file)
     engines = Engines(tokenizer=tokenizer, log=log)
     dp_group = dist.group.WORLD if world_size > 1 else None
     if "actor" in needed:
@@ -92,19 +95,28 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
         engines.actor = ActorEngine(shard(actor_model), cfg.actor, cfg.algorithm,
                                     temperature=logprob_temperature(cfg.rollout.temperature),
                                     mini_batch_samples=cfg.mini_batch_samples_per_rank,
-                                    dp_group=dp_group)
+                                    pack_sequences=m.pack_sequences, dp_group=dp_group)
     if "critic" in needed:
         critic_model = load_value_model(cfg.critic.path or m.path, m.dtype, device,
                                         m.attn_implementation)
         engines.critic = CriticEngine(shard(critic_model), cfg.critic,
                                       loss_agg_mode=cfg.algorithm.loss_agg_mode,
                                       mini_batch_samples=cfg.mini_batch_samples_per_rank,
-                                      dp_group=dp_group)
+                                      pack_sequences=m.pack_sequences, dp_group=dp_group)
     if "rollout" in needed:
         # Starts from the same checkpoint as the actor: nothing to sync before the first update.
         # One worker: the native decoder reads the actor's own (whole) weights, no copy.
         whole_actor = engines.actor.model if engines.actor and world_size == 1 else None
-        engines.rollout = build_rollout(cfg, load, device, eos_token_id=tokenizer.eos_token_id,
+
+        def load_rollout_copy() -> torch.nn.Module:
+            # A whole LoRA actor's copy is built from it, holding only the merged adapted
+            # linears; the rest is the actor's own frozen tensors.
+            if whole_actor is not None and is_lora(whole_actor):
+                return plain_copy(whole_actor)
+            return load()
+
+        engines.rollout = build_rollout(cfg, load_rollout_copy, device,
+                                        eos_token_id=tokenizer.eos_token_id,
                                         pad_token_id=tokenizer.pad_token_id,
                                         actor_model=whole_actor)
     if "ref" in needed and cfg.actor.lora.rank and engines.actor is not None:

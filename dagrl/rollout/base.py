@@ -106,7 +106,8 @@ class ModelCopy:
         for name, tensor in named_tensors:
             if name not in params:
                 raise KeyError(f"weight sync: the rollout model has no parameter {name!r}")
-            params[name].copy_(tensor)
+            if params[name].data_ptr() != tensor.data_ptr():   # not a tensor shared with the actor
+                params[name].copy_(tensor)
             seen.add(name)
         missing = set(params) - seen
         if missing:
