@@ -27,15 +27,17 @@ from pathlib import Path
 from benchmarks.rollout import SMOL_GGUF, smollm2_dir
 
 # name -> overrides on top of the workload (each a switch of issue 16's memory features)
+_CHUNKED = ["actor.logits_chunk_tokens=256", "ref.logits_chunk_tokens=256"]
+_ALL_FREE = [*_CHUNKED, "actor.activation_checkpointing=true", "trainer.trim_host_memory=true"]
 SETTINGS = {
     "baseline": ["actor.logits_chunk_tokens=0", "ref.logits_chunk_tokens=0"],
-    "chunked head": ["actor.logits_chunk_tokens=256", "ref.logits_chunk_tokens=256"],
-    "+ activation checkpointing": ["actor.logits_chunk_tokens=256",
-                                   "ref.logits_chunk_tokens=256",
-                                   "actor.activation_checkpointing=true"],
-    "+ trim host memory": ["actor.logits_chunk_tokens=256", "ref.logits_chunk_tokens=256",
-                           "actor.activation_checkpointing=true",
-                           "trainer.trim_host_memory=true"],
+    "chunked head": _CHUNKED,
+    "+ activation checkpointing": [*_CHUNKED, "actor.activation_checkpointing=true"],
+    "+ trim host memory": _ALL_FREE,
+    "+ packed sequences": [*_ALL_FREE, "model.pack_sequences=true"],
+    "+ 8-sample micro-batches": [*_ALL_FREE, "actor.micro_batch_size=8",
+                                 "ref.micro_batch_size=8"],
+    "+ LoRA r16": [*_ALL_FREE, "actor.lora.rank=16", "actor.lr=2e-5"],
 }
 
 

@@ -147,3 +147,80 @@ def test_one_worker_native_rollout_reads_the_actor_weights_without_a_copy(tmp_pa
     assert all(m["timing/weight_sync_s"] == 0.0 for m in history)
     assert all(m["actor/rollout_logprob_gap"] < 1e-5 for m in history)
     assert history[-1]["reward/mean"] != history[0]["reward/mean"]   # it did train
+
+
+@pytest.mark.parametrize("attn", ["dagrl_grouped", "sdpa", "eager"])
+def test_packed_sequences_equal_padded_in_values_and_gradients(model_dir, attn):
+    results = {}
+    weights = torch.randn(6, 7, generator=torch.Generator().manual_seed(1))
+    for pack in (False, True):
+        model = load_model(model_dir, attn_implementation=attn)
+        out = response_logprobs(model, *_batch(), temperature=0.7, with_entropy=True,
+                                chunk_tokens=5, pack=pack)
+        ((out.logprobs * weights).sum() + 0.3 * out.entropy.sum()).backward()
+        results[pack] = out, {n: p.grad for n, p in model.named_parameters()}
+    (padded, padded_grads), (packed, packed_grads) = results[False], results[True]
+    torch.testing.assert_close(packed.logprobs, padded.logprobs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed.entropy, padded.entropy, atol=1e-5, rtol=1e-5)
+    assert (packed.logprobs[0] < 0).all() and packed.logprobs[2].abs().sum() == 0
+    for name, g in packed_grads.items():
+        torch.testing.assert_close(g, padded_grads[name], atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_packed_rows_do_not_attend_across_sequences(model_dir):
+    # The same sample's log-probs alone and packed behind another sample are the same: the
+    # block-causal mask keeps attention inside each sequence.
+    model = load_model(model_dir)
+    batch = _batch()
+    with torch.no_grad():
+        both = response_logprobs(model, *[t[3:5] for t in batch], pack=True).logprobs
+        alone = response_logprobs(model, *[t[4:5] for t in batch], pack=True).logprobs
+    torch.testing.assert_close(both[1:], alone, atol=1e-6, rtol=1e-6)
+
+
+def test_packed_values_equal_padded(model_dir):
+    from dagrl.engines.critic import load_value_model
+    from dagrl.engines.forward import response_values
+
+    model = load_value_model(model_dir, "float32", torch.device("cpu"))
+    with torch.no_grad():
+        padded = response_values(model, *_batch())
+        packed = response_values(model, *_batch(), pack=True)
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
+    assert packed[2].abs().sum() == 0 and packed[0].abs().sum() > 0
+
+
+def _as_batch(prompt_ids, prompt_mask, responses, response_mask):
+    from dagrl.data.batch import Batch
+
+    return Batch(tensors={"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+                          "responses": responses, "response_mask": response_mask},
+                 batch_size=len(prompt_ids))
+
+
+@pytest.mark.parametrize("budget", [1, 20, 25, 1000])
+def test_token_budget_micro_batches_cover_every_sample_once_within_the_budget(budget):
+    from dagrl.engines.micro_batches import micro_batches, sample_tokens
+
+    batch = _as_batch(*_batch())
+    tokens = sample_tokens(batch)
+    assert tokens.tolist() == [9 + 7, 6 + 2, 8 + 0, 4 + 4, 7 + 5, 9 + 1]   # prompt + response
+    parts = micro_batches(batch, micro_batch_size=2, max_tokens=budget)
+    seen = torch.cat([idx for idx, _ in parts]).tolist()
+    assert sorted(seen) == list(range(6))
+    for idx, mb in parts:
+        assert len(mb) == 1 or int(tokens[idx].sum()) <= budget
+        assert torch.equal(mb["responses"], batch["responses"][idx])
+    assert len(parts) == {1: 6, 20: 4, 25: 3, 1000: 1}[budget]
+
+
+def test_batch_logprobs_is_the_same_however_the_batch_is_cut(model_dir):
+    from dagrl.engines.forward import batch_logprobs
+
+    model = load_model(model_dir)
+    batch = _as_batch(*_batch())
+    plain = batch_logprobs(model, batch, micro_batch_size=6, temperature=1.0)
+    for max_tokens, pack in ((20, False), (20, True), (25, True)):
+        cut = batch_logprobs(model, batch, micro_batch_size=2, temperature=1.0,
+                             max_tokens=max_tokens, pack=pack)
+        torch.testing.assert_close(cut, plain, atol=1e-5, rtol=1e-5)

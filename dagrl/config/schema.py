@@ -36,6 +36,10 @@ class ModelConfig:
     # dagrl's grouped matmul-softmax on CPU (faster than SDPA for short RL sequences, see
     # engines/attention.py) and SDPA on GPUs; or any of sdpa, eager, dagrl_grouped.
     attn_implementation: Literal["auto", "sdpa", "eager", "dagrl_grouped"] = "auto"
+    # Teacher-forced passes (actor, reference, critic) without padding: each micro-batch's
+    # sequences end to end in one row, attention kept within each (verl's use_remove_padding).
+    # Same numbers as the padded layout; pays where padding is a large share of the tokens.
+    pack_sequences: bool = False
     # Size of the builtin tiny models (ignored for real checkpoints).
     tiny_hidden_size: int = 64
     tiny_layers: int = 2
@@ -202,6 +206,9 @@ class ActorConfig(OptimConfig):
     # pass (the LM head runs in chunks, recomputed in backward): bounds the logits memory,
     # e.g. 1024 x 49152 x 4 B = 0.2 GB for SmolLM2 instead of a whole micro-batch's. 0: all.
     logits_chunk_tokens: int = 1024
+    # > 0: micro-batches are cut by this budget of real tokens (prompt + response) instead of
+    # micro_batch_size samples, longest samples first (verl's ppo_max_token_len_per_gpu).
+    max_tokens_per_micro_batch: int = 0
     # Keep only each decoder layer's input during the update's forward and recompute the layer
     # in backward (transformers' activation checkpointing): the saved activations shrink from
     # every layer's intermediates to one hidden state per layer, for about one more forward.
@@ -225,6 +232,8 @@ class ActorConfig(OptimConfig):
         _check(self.mini_batch_size > 0, "mini_batch_size must be > 0")
         _check(self.micro_batch_size > 0, "micro_batch_size must be > 0")
         _check(self.logits_chunk_tokens >= 0, "logits_chunk_tokens must be >= 0 (0: no chunks)")
+        _check(self.max_tokens_per_micro_batch >= 0,
+               "max_tokens_per_micro_batch must be >= 0 (0: micro_batch_size samples)")
         _check(self.ppo_epochs > 0, "ppo_epochs must be > 0")
 
 
@@ -235,12 +244,15 @@ class CriticConfig(OptimConfig):
     # Empty: initialised from model.path (the actor's checkpoint) with a new scalar head.
     path: str = ""
     micro_batch_size: int = 64
+    max_tokens_per_micro_batch: int = 0     # as actor.max_tokens_per_micro_batch
     ppo_epochs: int = 1
     cliprange_value: float = 0.5    # PPO2 value clipping around the old values
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check(self.micro_batch_size > 0, "micro_batch_size must be > 0")
+        _check(self.max_tokens_per_micro_batch >= 0,
+               "max_tokens_per_micro_batch must be >= 0 (0: micro_batch_size samples)")
         _check(self.ppo_epochs > 0, "ppo_epochs must be > 0")
         _check(self.cliprange_value > 0, "cliprange_value must be > 0")
 
@@ -249,9 +261,12 @@ class CriticConfig(OptimConfig):
 class RefConfig:
     micro_batch_size: int = 64      # samples per forward pass of the reference model
     logits_chunk_tokens: int = 1024     # as actor.logits_chunk_tokens
+    max_tokens_per_micro_batch: int = 0     # as actor.max_tokens_per_micro_batch
 
     def __post_init__(self) -> None:
         _check(self.micro_batch_size > 0, "micro_batch_size must be > 0")
+        _check(self.max_tokens_per_micro_batch >= 0,
+               "max_tokens_per_micro_batch must be >= 0 (0: micro_batch_size samples)")
         _check(self.logits_chunk_tokens >= 0, "logits_chunk_tokens must be >= 0 (0: no chunks)")
 
 

@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from dagrl.algorithms.utils import entropy_from_logits, logprobs_from_logits
 from dagrl.data.batch import Batch
+from dagrl.engines.micro_batches import micro_batches
 from dagrl.rollout.hf import position_ids_from_mask
 
 # Rows of [tokens, vocab] logits computed at once by the head of a teacher-forced pass.
@@ -37,17 +38,40 @@ def _trimmed_inputs(prompt_ids, prompt_mask, responses, response_mask):
     return input_ids, attention, p_ids.shape[1], last
 
 
+def _packed_inputs(prompt_ids, prompt_mask, responses, response_mask):
+    """Every row's [prompt | response] tokens, padding removed, end to end in one row:
+    (input_ids [1, T], position_ids [1, T] restarting at 0 for each sequence, predicting [N] =
+    the column of the packed row that predicts each used response token, in row-major order).
+    transformers reads a packed row from position ids that restart (with no attention mask):
+    attention stays within each sequence (flash-attn varlen on CUDA, a block-causal mask with
+    sdpa/eager), so each token sees exactly what it saw in the padded layout."""
+    width = prompt_ids.shape[1]
+    used = response_mask.bool()
+    # The masks are the attention masks, as in the padded layout: what they leave out is padding.
+    keep = torch.cat([prompt_mask.bool(), used], dim=1)                           # [B, P+R]
+    tokens = torch.cat([prompt_ids, responses], dim=1)
+    column = keep.flatten().cumsum(0).view_as(keep) - 1         # packed column of each kept one
+    positions = keep.long().cumsum(1) - 1                       # 0.. within each sequence
+    predicting = column[:, width:][used] - 1                                      # [N]
+    return tokens[keep][None], positions[keep][None], predicting
+
+
 def _response_outputs(model: torch.nn.Module, prompt_ids, prompt_mask, responses,
-                      response_mask) -> tuple[torch.Tensor, int]:
+                      response_mask, pack: bool) -> torch.Tensor:
     """Run the model on [prompt | response] and return its outputs at the positions that
-    *predict* each response token: [B, R', ...]."""
+    *predict* each used response token: [N, ...] (row-major over the response mask)."""
+    if pack:
+        input_ids, positions, predicting = _packed_inputs(prompt_ids, prompt_mask, responses,
+                                                          response_mask)
+        out = model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+        return out[0, predicting]
     input_ids, attention, prompt_len, last = _trimmed_inputs(prompt_ids, prompt_mask, responses,
                                                              response_mask)
     out = model(input_ids=input_ids, attention_mask=attention,
                 position_ids=position_ids_from_mask(attention), use_cache=False).logits
     # Position i predicts token i+1: response token j is predicted at column P'-1+j.
     start = prompt_len - 1
-    return out[:, start:start + last], last
+    return out[:, start:start + last][response_mask[:, :last].bool()]
 
 
 def _token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -93,66 +117,84 @@ def _head_forward(head: torch.nn.Module, forward):
 def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                       responses: torch.Tensor, response_mask: torch.Tensor, *,
                       temperature: float = 1.0, with_entropy: bool = False,
-                      chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> ResponseLogprobs:
+                      chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                      pack: bool = False) -> ResponseLogprobs:
     """log softmax(z_t / T)[y_t] for every response token y_t: [B, R] (0 where masked).
 
     prompt_ids/prompt_mask: [B, P] left-padded; responses/response_mask: [B, R] right-padded.
-    No [B, T, V] logits tensor is built: the model keeps only the hidden states of the response
-    positions (`logits_to_keep`), the head runs on the N unmasked response tokens alone, in
-    chunks of `chunk_tokens` (0: all at once).
+    No [B, T, V] logits tensor is built: the head runs on the N used response tokens' hidden
+    states alone, in chunks of `chunk_tokens` (0: all at once). `pack`: the rows go through
+    the model as one packed row without padding (`_packed_inputs`); otherwise padded, minus
+    the columns that are padding in every row, keeping only the response positions'
+    hidden states (`logits_to_keep`).
     """
     batch, resp_len = responses.shape
-    input_ids, attention, _, last = _trimmed_inputs(prompt_ids, prompt_mask, responses,
-                                                    response_mask)
-    used = response_mask[:, :last].bool()                                    # [B, R']
-    targets = responses[:, :last][used]                                      # [N]
+    used = response_mask.bool()                                               # [B, R]
+    targets = responses[used]                                                 # [N]
     head = model.get_output_embeddings()
+    if pack:
+        input_ids, positions, predicting = _packed_inputs(prompt_ids, prompt_mask, responses,
+                                                          response_mask)
+        kwargs = {"position_ids": positions}
+
+        def pick(hidden: torch.Tensor) -> torch.Tensor:                      # [1, T, H]
+            return hidden[0, predicting]                                      # [N, H]
+    else:
+        input_ids, attention, _, last = _trimmed_inputs(prompt_ids, prompt_mask, responses,
+                                                        response_mask)
+        kwargs = {"attention_mask": attention,
+                  "position_ids": position_ids_from_mask(attention), "logits_to_keep": last + 1}
+
+        def pick(hidden: torch.Tensor) -> torch.Tensor:                      # [B, K, H]
+            # hidden ends with the last input position, which predicts nothing here; the R'
+            # before it predict the response tokens.
+            return hidden[:, hidden.shape[1] - last - 1:-1][used[:, :last]]  # [N, H]
 
     def head_forward(hidden: torch.Tensor) -> torch.Tensor:
-        # hidden [B, K, H] ends with the last input position, which predicts nothing here;
-        # the R' before it predict the response tokens.
-        predicting = hidden[:, hidden.shape[1] - last - 1:-1][used]           # [N, H]
-        return _chunked_head(predicting, head, targets, temperature, with_entropy, chunk_tokens)
+        return _chunked_head(pick(hidden), head, targets, temperature, with_entropy,
+                             chunk_tokens)
 
     with _head_forward(head, head_forward):
-        per_token = model(input_ids=input_ids, attention_mask=attention,
-                          position_ids=position_ids_from_mask(attention), use_cache=False,
-                          logits_to_keep=last + 1).logits                     # [N, 2]
-    out = per_token.new_zeros(batch, last, 2)
-    out[used] = per_token
-    out = F.pad(out, (0, 0, 0, resp_len - last))                              # [B, R, 2]
+        per_token = model(input_ids=input_ids, use_cache=False, **kwargs).logits  # [N, 2]
+    out = per_token.new_zeros(batch, resp_len, 2)
+    out[used] = per_token                                                     # [B, R, 2]
     return ResponseLogprobs(out[..., 0], out[..., 1] if with_entropy else None)
 
 
 def response_values(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                    responses: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+                    responses: torch.Tensor, response_mask: torch.Tensor, *,
+                    pack: bool = False) -> torch.Tensor:
     """V(s_t) for the state before each response token, from a scalar-head model: [B, R]."""
-    batch, resp_len = responses.shape
-    out, last = _response_outputs(model, prompt_ids, prompt_mask, responses, response_mask)
-    values = torch.zeros(batch, resp_len, device=responses.device)
-    values[:, :last] = out[..., 0].float()
-    return values * response_mask.float()
+    used = response_mask.bool()
+    out = _response_outputs(model, prompt_ids, prompt_mask, responses, response_mask, pack)
+    values = torch.zeros(responses.shape, device=responses.device)
+    values[used] = out[..., 0].float()
+    return values
 
 
 @torch.no_grad()
 def batch_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int,
-                   temperature: float, chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
-    """Forward-only log-probs for a whole batch, in micro-batches: -> [N, R]."""
-    parts = [response_logprobs(model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"],
-                               mb["response_mask"], temperature=temperature,
-                               chunk_tokens=chunk_tokens).logprobs
-             for mb in batch.split(micro_batch_size) if len(mb)]
-    if not parts:
-        return torch.zeros_like(batch["response_mask"], dtype=torch.float32)
-    return torch.cat(parts)
+                   temperature: float, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                   max_tokens: int = 0, pack: bool = False) -> torch.Tensor:
+    """Forward-only log-probs for a whole batch, in micro-batches (engines/micro_batches.py):
+    -> [N, R] in batch order."""
+    out = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
+    for idx, mb in micro_batches(batch, micro_batch_size, max_tokens):
+        if len(mb):
+            out[idx.to(out.device)] = response_logprobs(
+                model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
+                temperature=temperature, chunk_tokens=chunk_tokens, pack=pack).logprobs
+    return out
 
 
 @torch.no_grad()
-def batch_values(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int) -> torch.Tensor:
-    """Forward-only values for a whole batch, in micro-batches: -> [N, R]."""
-    parts = [response_values(model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"],
-                             mb["response_mask"])
-             for mb in batch.split(micro_batch_size) if len(mb)]
-    if not parts:
-        return torch.zeros_like(batch["response_mask"], dtype=torch.float32)
-    return torch.cat(parts)
+def batch_values(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int,
+                 max_tokens: int = 0, pack: bool = False) -> torch.Tensor:
+    """Forward-only values for a whole batch, in micro-batches: -> [N, R] in batch order."""
+    out = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
+    for idx, mb in micro_batches(batch, micro_batch_size, max_tokens):
+        if len(mb):
+            out[idx.to(out.device)] = response_values(
+                model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
+                pack=pack)
+    return out

@@ -20,6 +20,7 @@ from dagrl.algorithms.loss_agg import agg_denominator
 from dagrl.config.schema import OptimConfig
 from dagrl.data.batch import Batch
 from dagrl.device import fused_optimizer_supported
+from dagrl.engines.micro_batches import micro_batches
 from dagrl.observe.metrics import StepMetrics
 
 
@@ -40,14 +41,18 @@ class TrainEngine(ABC):
 
     def __init__(self, model: torch.nn.Module, optim: OptimConfig, *, loss_agg_mode: str,
                  mini_batch_samples: int, micro_batch_size: int, epochs: int,
+                 max_tokens_per_micro_batch: int = 0, pack_sequences: bool = False,
                  dp_group: dist.ProcessGroup | None = None) -> None:
         """`mini_batch_samples`: samples per optimizer step on this rank
         (`Config.mini_batch_samples_per_rank`); `micro_batch_size`: samples per forward and
-        backward; `epochs`: passes over each batch."""
+        backward, or `max_tokens_per_micro_batch` > 0: micro-batches cut by a token budget
+        (engines/micro_batches.py); `pack_sequences`: forwards without padding
+        (engines/forward.py); `epochs`: passes over each batch."""
         self.model = model
         self.grad_clip = optim.grad_clip
         self.loss_agg_mode = loss_agg_mode
         self.mini_batch_samples, self.micro_batch_size = mini_batch_samples, micro_batch_size
+        self.max_tokens, self.pack = max_tokens_per_micro_batch, pack_sequences
         self.epochs = epochs
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
@@ -87,7 +92,7 @@ class TrainEngine(ABC):
                                                        self.loss_agg_mode),
                                        self.dp_group, self.device)
                 reported = 0.0
-                for micro in mini.split(self.micro_batch_size):
+                for _, micro in micro_batches(mini, self.micro_batch_size, self.max_tokens):
                     loss, shown = self.micro_loss(micro, denom, metrics)
                     (loss * self.dp_size).backward()
                     reported += float(shown.detach())

@@ -28,7 +28,9 @@ def ref_logprob(ctx: NodeContext, batch: Batch) -> Batch:
     batch["ref_logprobs"] = batch_logprobs(
         ctx.engines.ref_model, batch, micro_batch_size=ctx.config.ref.micro_batch_size,
         temperature=logprob_temperature(ctx.config.rollout.temperature),
-        chunk_tokens=ctx.config.ref.logits_chunk_tokens)
+        chunk_tokens=ctx.config.ref.logits_chunk_tokens,
+        max_tokens=ctx.config.ref.max_tokens_per_micro_batch,
+        pack=ctx.config.model.pack_sequences)
     return batch
 
 
