@@ -3,6 +3,7 @@
     dagrl train [CONFIG] [key=value ...] [--print-config]
     dagrl plan  [CONFIG] [key=value ...]        # the graph and each rank's task list
     dagrl plan  --format dot|svg [--out FILE]   # ... drawn (Graphviz DOT, or SVG)
+    dagrl plan  --memory [CONFIG] [key=value]   # ... and each rank's memory, estimated
     dagrl report RUN_DIR                        # RUN_DIR/report.html: plots, DAG, config, trace
     dagrl data make arith --out DIR [--seed S]  # the default task as verl-layout parquet
     dagrl export CHECKPOINT|RUN_DIR --out DIR   # a checkpoint's actor as a HF model directory
@@ -29,6 +30,9 @@ def plan_main(argv: Sequence[str]) -> int:
     parser.add_argument("--format", choices=("text", "dot", "svg"), default="text",
                         help="text (default), Graphviz DOT, or an SVG picture (no Graphviz needed)")
     parser.add_argument("--out", help="write to this file instead of standard output")
+    parser.add_argument("--memory", action="store_true",
+                        help="also estimate each rank's memory from the model's config (reads "
+                             "config.json or the GGUF header, no weights)")
     parser.add_argument("args", nargs="*", help="[CONFIG.yaml] [key=value ...]")
     ns = parser.parse_args(argv)
     from dagrl.config.loader import ConfigError
@@ -47,12 +51,24 @@ def plan_main(argv: Sequence[str]) -> int:
         return 2
     render = {"text": lambda *a: format_plan(*a) + "\n", "dot": to_dot, "svg": to_svg}[ns.format]
     text = render(graph, order, plans)
+    if ns.memory:
+        text += "\n" + _memory_estimate(cfg, plans) + "\n"
     if ns.out:
         with open(ns.out, "w", encoding="utf-8") as f:
             f.write(text)
     else:
         sys.stdout.write(text)
     return 0
+
+
+def _memory_estimate(cfg, plans) -> str:
+    from dagrl.engines.memory_estimate import estimate_memory, format_estimate, model_shape
+    from dagrl.observe.memory import host_rss_bytes
+    from dagrl.roles.plan import engines_of
+
+    has_ref = any("ref" in engines_of(p) for p in plans)
+    lines = estimate_memory(cfg, model_shape(cfg), has_ref=has_ref)
+    return "memory per rank:\n" + format_estimate(lines, runtime_bytes=host_rss_bytes())
 
 
 def report_main(argv: Sequence[str]) -> int:

@@ -11,8 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -202,6 +204,48 @@ def test_long_prompt_stops_the_run_before_any_output(tmp_path, tiny_model_dir, g
         run(tmp_path, tiny_model_dir, f"data.train_files=[{good_file}]",
             "data.max_prompt_length=3")
     assert_no_run_output(tmp_path / "run")
+
+
+def test_long_prompt_deep_in_the_data_is_found_before_the_model_loads(tmp_path, tiny_model_dir):
+    # Row 900 would come up in step ~225; the pre-flight tokenizes the first 1024 rows at start.
+    # The model has no weights file: the data error must come first, before any load.
+    rows = arith_rows(1000)
+    rows[900]["prompt"][0]["content"] = "1+" * 40 + "1="
+    data = write_rows(tmp_path / "long.parquet", rows)
+    weightless = tmp_path / "weightless"
+    shutil.copytree(tiny_model_dir, weightless)
+    (weightless / "model.safetensors").unlink()
+    with pytest.raises(DatasetError, match=r"long.parquet: row 900 .* more than "
+                                           r"data\.max_prompt_length=16"):
+        run(tmp_path, weightless, f"data.train_files=[{data}]", "data.max_prompt_length=16")
+    assert_no_run_output(tmp_path / "run")
+
+
+def test_cpu_oversubscription_is_warned(capsys):
+    from dagrl.runtime.preflight import check_cpu_threads
+
+    cores = len(os.sched_getaffinity(0))
+    check_cpu_threads(cores, 2, print)
+    assert f"2 worker(s) x {cores} torch threads" in capsys.readouterr().out
+    check_cpu_threads(1, 1, print)
+    assert "worker(s)" not in capsys.readouterr().out
+
+
+def test_other_busy_processes_are_warned(capsys):
+    import subprocess
+    import sys
+
+    from dagrl.runtime.preflight import check_cpu_threads
+
+    cores = len(os.sched_getaffinity(0))
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)                     # let it start spinning
+        check_cpu_threads(cores, 1, print, window_s=0.5)
+    finally:
+        spinner.kill()
+        spinner.wait()
+    assert "other processes keep" in capsys.readouterr().out
 
 
 def test_null_prompt_is_named(tmp_path, tokenizer):

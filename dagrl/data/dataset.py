@@ -241,6 +241,17 @@ class PromptLoader:
         self.epoch, self.batch_in_epoch = int(state["epoch"]), int(state["batch_in_epoch"])
 
     # --- tokenization ----------------------------------------------------------------------
+    def check_prompt_lengths(self, max_rows: int) -> int:
+        """Tokenize the first `max_rows` rows as a batch would, so an overlong or empty prompt
+        is reported before any model loads (the pre-flight); returns the longest length."""
+        rows = list(range(min(max_rows, len(self.source))))
+        longest = 0
+        for start in range(0, len(rows), 256):
+            chunk = rows[start:start + 256]
+            built = self._build(self.source.read(chunk), np.asarray(chunk), np.asarray(chunk), 0)
+            longest = max(longest, int(built.tensors["prompt_mask"].sum(-1).max()))
+        return longest
+
     def _build(self, rows: list[dict], row_ids: np.ndarray, positions: np.ndarray,
                epoch: int | np.ndarray) -> Batch:
         """`epoch`: one for all rows, or one per row (see `_global_batch`)."""

@@ -7,6 +7,7 @@ Per task (node, reshard or balance; `<name>` is the node id, or `reshard_<id>` /
   memory/<name>_device_gb  device peak during the task (max over ranks; not on the CPU)
 Per step:
   memory/host_peak_gb, memory/device_peak_gb        process peaks (max over ranks)
+  memory/estimated_peak_gb                          dagrl plan --memory's estimate (max over ranks)
   throughput/tokens_per_s                           prompt + response tokens / step time
   perf/tflops_per_device                            model FLOPs (see flops.py) / time / workers
   perf/mfu                                          the same over the device's peak, if known
@@ -40,8 +41,12 @@ class StepObserver:
     """One worker's per-task measurements. `engines` supplies the model size for FLOPs."""
 
     def __init__(self, cfg: Config, graph: GraphSpec, engines, rank: int, world_size: int,
-                 device, cpu_group: dist.ProcessGroup | None = None) -> None:
+                 device, cpu_group: dist.ProcessGroup | None = None,
+                 estimated_peak_gb: float | None = None) -> None:
+        """`estimated_peak_gb`: the memory estimate's peak per rank (dagrl plan --memory),
+        logged beside the measured peaks as memory/estimated_peak_gb."""
         self.rank, self.world_size, self.device = rank, world_size, device
+        self.estimated_peak_gb = estimated_peak_gb
         self.cpu_group = cpu_group
         self.profiler = TaskProfiler(cfg.profiler, graph.roles, rank, device,
                                      Path(cfg.trainer.run_dir))
@@ -88,6 +93,8 @@ class StepObserver:
         """Derived metrics of a reduced step; writes the traces after the last profiled step
         (collective: every rank calls it)."""
         out = dict(result)
+        if self.estimated_peak_gb is not None:
+            out["memory/estimated_peak_gb"] = self.estimated_peak_gb
         for key in [k for k in out if k.startswith("timing/") and k.endswith("_min_s")]:
             fastest = out.pop(key)
             base = key[:-len("_min_s")]

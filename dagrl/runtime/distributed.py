@@ -41,6 +41,11 @@ class DistContext:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    @property
+    def local_world_size(self) -> int:
+        """Workers on this host: torchrun's LOCAL_WORLD_SIZE, else all of them (one host)."""
+        return int(os.environ.get("LOCAL_WORLD_SIZE", self.world_size))
+
     def group_for(self, ranks: tuple[int, ...]) -> dist.ProcessGroup | None:
         """The process group of a layout (None = the world group)."""
         if len(ranks) == self.world_size:
@@ -57,6 +62,14 @@ class DistContext:
         box = [obj]
         dist.broadcast_object_list(box, src=src, group=self.cpu_group)
         return box[0]
+
+    def max_over_ranks(self, value: float) -> float:
+        """The largest of every rank's `value` (collective: every rank calls it)."""
+        if not self.distributed:
+            return value
+        box = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.cpu_group)
+        return float(box.item())
 
 
 def env_world() -> tuple[int, int, int] | None:

@@ -34,14 +34,17 @@ from dagrl.device import is_host
 from dagrl.engines.bundle import build_engines
 from dagrl.engines.host_memory import release_freed_memory
 from dagrl.engines.lora import ADAPTER_DIR, is_lora, save_adapter_config
-from dagrl.engines.models import plain_config
+from dagrl.engines.memory_estimate import ModelShape, estimate_memory, estimated_peak
+from dagrl.engines.models import load_tokenizer, plain_config
 from dagrl.observe.loggers import RunLogger, truncate_jsonl
+from dagrl.observe.memory import GB, host_rss_bytes
 from dagrl.observe.metrics import StepMetrics
 from dagrl.observe.observer import StepObserver
 from dagrl.roles.plan import engines_of, plan_for
 from dagrl.roles.registry import ROLES, NodeContext
 from dagrl.runtime.checkpoint import Checkpointer, Stateful, resolve_resume
 from dagrl.runtime.distributed import DistContext, create_layout_groups
+from dagrl.runtime.preflight import check_cpu_threads, check_prompts
 from dagrl.runtime.validation import Validator
 
 
@@ -60,6 +63,7 @@ class Worker:
 
     def __init__(self, cfg: Config, dist_ctx: DistContext | None = None) -> None:
         self.dist = dist_ctx or DistContext()
+        runtime_rss = host_rss_bytes()   # Python, torch, transformers: before any model
         self.cfg, self.run_dir = cfg, Path(cfg.trainer.run_dir)
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
         if cfg.trainer.torch_threads:
@@ -82,13 +86,24 @@ class Worker:
         train_source = ParquetPrompts(d.train_files, d.prompt_key)
         val_source = (ParquetPrompts(d.val_files, d.prompt_key, config_key="data.val_files")
                       if validates else None)
-        self.engines = build_engines(cfg, needed, self.device, world_size=self.world_size,
-                                     log=self.log)
+        # Pre-flight: what needs only the tokenizer (batch divisibility, prompt lengths, CPU
+        # threads) is checked before minutes of model loading.
+        tokenizer = load_tokenizer(cfg.model.path, cfg.model.gguf_file)
         self.loader = PromptLoader(
-            train_source, self.engines.tokenizer,
+            train_source, tokenizer,
             batch_size=d.train_batch_size, rank=self.rank, world_size=self.world_size,
             seed=cfg.trainer.seed, shuffle=d.shuffle, tail=d.tail,
             max_prompt_length=d.max_prompt_length, truncation=d.truncation)
+        loaders = {"train": self.loader}
+        if val_source is not None:
+            loaders["val"] = PromptLoader(val_source, tokenizer, batch_size=1, tail="pad",
+                                          max_prompt_length=d.max_prompt_length,
+                                          truncation=d.truncation)
+        check_prompts(loaders, self.log)
+        if is_host(self.device):
+            check_cpu_threads(t.torch_threads, self.dist.local_world_size, self.log)
+        self.engines = build_engines(cfg, needed, self.device, world_size=self.world_size,
+                                     log=self.log, tokenizer=tokenizer)
         if self.loader.dropped_per_epoch:
             self.log(f"data: {self.loader.dropped_per_epoch} prompt(s) per epoch do not fill a "
                      f"batch of {d.train_batch_size} and are dropped (data.tail=drop)")
@@ -97,9 +112,21 @@ class Worker:
         self.checkpoint_root = Path(t.checkpoint_dir or self.run_dir / "checkpoints")
         self.checkpointer = Checkpointer(self.checkpoint_root, rank=self.rank,
                                          keep_last=t.keep_last, barrier=self.dist.barrier)
+        # The plan's estimate, for the report beside the measured peak: the largest over ranks
+        # (a rank without the actor reports 0), so every rank logs the same metrics.
+        estimate = 0.0
+        if self.engines.actor is not None:
+            lines = estimate_memory(cfg, ModelShape.of(self.engines.actor.model.config),
+                                    has_ref="ref" in needed)
+            estimate = estimated_peak(lines, runtime_rss) / GB
+        estimate = self.dist.max_over_ranks(estimate)
+        if estimate > 0:
+            self.log(f"memory: estimated peak {estimate:.2f} GiB per rank (dagrl plan --memory "
+                     "for the breakdown)")
         # Per-task timing, memory, FLOPs and the profiler (dagrl/observe/observer.py).
         self.observer = StepObserver(cfg, self.graph, self.engines, self.rank, self.world_size,
-                                     self.device, self.dist.cpu_group)
+                                     self.device, self.dist.cpu_group,
+                                     estimated_peak_gb=estimate or None)
         self.logger: RunLogger | None = None   # rank 0's, created when training starts
 
     def log(self, message: str) -> None:

@@ -1,0 +1,190 @@
+"""`dagrl plan --memory`: bytes per rank of what a run holds, estimated from the model's config
+and the run's config before anything loads, so a run that cannot fit is changed before it
+starts (the run report then sets the estimate beside the measured peak).
+
+With P parameters (b bytes each), T of them trained (all, or the LoRA adapters), W workers
+(FSDP2 shards everything trained over all of them), one worker's R rollout rows and M samples
+per micro-batch of S = prompt + response tokens:
+
+    actor weights      P b / W
+    gradients          T b / W                 (freed after each optimizer step)
+    AdamW state        2 T b / W               (exp_avg, exp_avg_sq)
+    reference weights  P b / W                 (0 under LoRA: the actor with adapters off)
+    rollout weights    P b (a whole copy; 0 when the native decoder reads the actor's own
+                       weights, one worker without LoRA; the adapted linears only under LoRA)
+    KV cache           2 L R S n_kv d b       (the native decoder preallocates it; the larger
+                       of a training and a validation rollout)
+    activations        M S H b L              (checkpointed: each layer's input; one layer's
+                       intermediates on top) or M S L (6H + 2 n_kv d + 4I) b without
+    logits             3 C V 4                 (C = logits_chunk_tokens rows of fp32 logits,
+                       their log-softmax and gradient; C = M x response tokens without chunks)
+
+Not counted: the allocator's fragmentation and the Python/torch runtime (the estimate reports
+this process's RSS after importing them as a line of its own). vLLM and server rollouts hold
+their own memory (rollout.vllm.gpu_memory_utilization).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dagrl.config.schema import Config
+from dagrl.engines.models import (
+    BUILTIN_PREFIX,
+    DTYPES,
+    TINY_FAMILIES,
+    build_char_tokenizer,
+    resolve_builtin_model,
+    tiny_model_config,
+)
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs of a decoder-only model (Llama / Qwen2 layout)."""
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool = False      # Qwen2's q/k/v projections carry biases
+
+    @classmethod
+    def of(cls, c) -> ModelShape:
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        return cls(c.hidden_size, c.num_hidden_layers, c.num_attention_heads,
+                   c.num_key_value_heads or c.num_attention_heads, head_dim,
+                   c.intermediate_size, c.vocab_size, bool(c.tie_word_embeddings),
+                   bool(getattr(c, "attention_bias", c.model_type == "qwen2")))
+
+    @property
+    def linear_params(self) -> int:
+        """Parameters of the decoder layers' linears (what LoRA's all-linear adapts)."""
+        kv = self.kv_heads * self.head_dim
+        q = self.heads * self.head_dim
+        return self.layers * (2 * self.hidden * q + 2 * self.hidden * kv
+                              + 3 * self.hidden * self.intermediate)
+
+    @property
+    def params(self) -> int:
+        embeddings = self.vocab * self.hidden * (1 if self.tied else 2)
+        norms = self.hidden * (2 * self.layers + 1)
+        biases = self.layers * (self.heads + 2 * self.kv_heads) * self.head_dim * self.qkv_bias
+        return self.linear_params + embeddings + norms + biases
+
+    def lora_params(self, rank: int) -> int:
+        """A [r, in] and B [out, r] on every linear of every layer (all-linear)."""
+        kv = self.kv_heads * self.head_dim
+        q = self.heads * self.head_dim
+        h, i = self.hidden, self.intermediate
+        shapes = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
+        return self.layers * sum(rank * (a + b) for a, b in shapes)
+
+
+def model_shape(cfg: Config) -> ModelShape:
+    """The configured model's shape, from its config only (no weights are read)."""
+    from transformers import AutoConfig
+
+    m = cfg.model
+    if m.path.startswith(BUILTIN_PREFIX) and m.path[len(BUILTIN_PREFIX):] in TINY_FAMILIES:
+        return ModelShape.of(tiny_model_config(m.path[len(BUILTIN_PREFIX):],
+                                               len(build_char_tokenizer()), m.tiny_hidden_size,
+                                               m.tiny_layers))
+    path = resolve_builtin_model(m.path, "", hidden_size=m.tiny_hidden_size,
+                                 layers=m.tiny_layers, seed=cfg.trainer.seed)
+    kwargs = {"gguf_file": m.gguf_file} if m.gguf_file else {}
+    return ModelShape.of(AutoConfig.from_pretrained(path, local_files_only=True, **kwargs))
+
+
+@dataclass(frozen=True)
+class MemoryLine:
+    name: str
+    bytes: int
+    note: str
+    phase: str = "state"    # state: held all run; rollout / update: alive in that phase only
+
+
+def estimate_memory(cfg: Config, shape: ModelShape, *, has_ref: bool = True) -> list[MemoryLine]:
+    """Per-rank bytes of the run's states and largest transients (see the module docstring)."""
+    b = DTYPES[cfg.model.dtype].itemsize
+    w = cfg.trainer.n_workers
+    lora = cfg.actor.lora.rank
+    p = shape.params
+    trained = shape.lora_params(lora) if lora else p
+    lines = [MemoryLine("actor weights", p * b // w, f"{p / 1e6:.1f}M params"
+                        + (f" / {w} workers (FSDP2)" if w > 1 else ""))]
+    lines.append(MemoryLine("gradients", trained * b // w,
+                            f"{trained / 1e6:.2f}M trained" + (" (LoRA)" if lora else ""),
+                            "update"))
+    lines.append(MemoryLine("AdamW state", 2 * trained * b // w, "exp_avg + exp_avg_sq"))
+    ref = p * b // w if has_ref and not lora else 0
+    lines.append(MemoryLine("reference weights", ref,
+                            "adapters off: no copy" if lora else ("" if has_ref else "no ref")))
+    backend = cfg.rollout.backend
+    if backend in ("vllm", "server"):
+        rollout, note = 0, "held by the engine (not counted)"
+    elif w == 1 and not lora and backend in ("native", "auto"):
+        rollout, note = 0, "reads the actor's weights"
+    elif w == 1 and lora:
+        rollout, note = shape.linear_params * b, "merged adapted linears; the rest shared"
+    else:
+        rollout, note = p * b, "a whole copy on every worker"
+    lines.append(MemoryLine("rollout weights", rollout, note))
+
+    d, r = cfg.data, cfg.rollout
+    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * b
+    train_rows = d.train_batch_size // w * r.n
+    val_rows = d.val_batch_size * r.val_n
+    rows = max(train_rows, val_rows) if cfg.trainer.val_every or cfg.trainer.val_before_train \
+        else train_rows
+    seq = d.max_prompt_length + r.max_new_tokens
+    kv = kv_per_token * rows * seq if backend not in ("vllm", "server") else 0
+    lines.append(MemoryLine("KV cache", kv, f"{rows} rows x {seq} tokens", "rollout"))
+
+    a = cfg.actor
+    micro = a.micro_batch_size
+    if a.max_tokens_per_micro_batch:
+        tokens = a.max_tokens_per_micro_batch
+        micro_note = f"{tokens} tokens a micro-batch"
+    else:
+        tokens = micro * seq
+        micro_note = f"{micro} x {seq} tokens a micro-batch"
+    h, kvd = shape.hidden, shape.kv_heads * shape.head_dim
+    per_layer_token = (6 * h + 2 * kvd + 4 * shape.intermediate) * b
+    if a.activation_checkpointing:
+        act = tokens * h * b * shape.layers + tokens * per_layer_token
+        act_note = micro_note + ", checkpointed"
+    else:
+        act = tokens * per_layer_token * shape.layers
+        act_note = micro_note
+    lines.append(MemoryLine("activations", act, act_note, "update"))
+    head_rows = a.logits_chunk_tokens or micro * r.max_new_tokens
+    lines.append(MemoryLine("logits", 3 * head_rows * shape.vocab * 4,
+                            f"{head_rows} x {shape.vocab} fp32, x3 in backward", "update"))
+    return lines
+
+
+def estimated_peak(lines: list[MemoryLine], runtime_bytes: int = 0) -> int:
+    """States held all run, plus the larger of the rollout's and the update's transients."""
+    states = sum(line.bytes for line in lines if line.phase == "state")
+    phases = {line.phase for line in lines} - {"state"}
+    largest = max((sum(x.bytes for x in lines if x.phase == ph) for ph in phases), default=0)
+    return runtime_bytes + states + largest
+
+
+def format_estimate(lines: list[MemoryLine], runtime_bytes: int = 0) -> str:
+    width = max(len(line.name) for line in lines) + len(" (update)")
+    out = []
+    for line in lines:
+        name = line.name + (f" ({line.phase})" if line.phase != "state" else "")
+        out.append(f"{name:<{width}}  {line.bytes / GiB:6.2f} GiB  {line.note}")
+    out.append(f"{'runtime':<{width}}  {runtime_bytes / GiB:6.2f} GiB  this process's RSS "
+               "after importing torch and transformers")
+    out.append(f"{'peak':<{width}}  {estimated_peak(lines, runtime_bytes) / GiB:6.2f} GiB  "
+               "states + the larger phase + runtime; allocator fragmentation not included")
+    return "\n".join(out)

@@ -1,0 +1,67 @@
+"""Pre-flight: what can be checked with the tokenizer and the data alone, before any model
+loads (loading a real model takes a minute; a typo should not).
+
+- prompts: the first `PREFLIGHT_ROWS` rows of the train and validation files are tokenized as a
+  batch would be, so an overlong prompt (data.max_prompt_length, truncation=error) or a null
+  one is named with its file and row now, not at the step that first draws it;
+- CPU threads: torch threads x workers on this host above the cores, or other processes
+  already busy on the cores the run wants, make every step several times slower with no
+  error; say so.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import torch
+
+from dagrl.data.dataset import PromptLoader
+
+PREFLIGHT_ROWS = 1024
+
+
+def check_prompts(loaders: dict[str, PromptLoader], log: Callable[[str], None]) -> None:
+    """Tokenize the first rows of each loader (by name: train, val); raises DatasetError."""
+    for name, loader in loaders.items():
+        longest = loader.check_prompt_lengths(PREFLIGHT_ROWS)
+        log(f"pre-flight: {name} prompts ok (first {min(PREFLIGHT_ROWS, len(loader.source))} "
+            f"rows: longest {longest} of data.max_prompt_length={loader.max_prompt_length} "
+            "tokens)")
+
+
+def check_cpu_threads(torch_threads: int, workers_here: int, log: Callable[[str], None],
+                      window_s: float = 0.25) -> None:
+    """Warn when this host's CPUs are oversubscribed: by our own workers' threads, or (one
+    worker on the host) by other processes busy right now, measured over `window_s`."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = torch_threads or torch.get_num_threads()
+    if threads * workers_here > cores:
+        log(f"warning: {workers_here} worker(s) x {threads} torch threads = "
+            f"{threads * workers_here} threads on {cores} cores; steps will be much slower "
+            f"than with trainer.torch_threads={max(1, cores // workers_here)}")
+        return
+    others = busy_cores_of_others(window_s) if workers_here == 1 else 0.0
+    if others >= 0.5 and threads + others > cores:
+        log(f"warning: other processes keep {others:.1f} of {cores} cores busy while this run "
+            f"wants {threads} threads: every step will be slower (lower "
+            "trainer.torch_threads, or stop the other jobs)")
+
+
+def busy_cores_of_others(window_s: float) -> float:
+    """Cores kept busy over the next `window_s` seconds by processes other than this one
+    (Linux /proc/stat; 0 elsewhere)."""
+    def busy_s() -> float:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)      # idle + iowait
+        return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    try:
+        busy0, own0 = busy_s(), time.process_time()
+        time.sleep(window_s)
+        busy1, own1 = busy_s(), time.process_time()
+    except (OSError, ValueError):
+        return 0.0
+    return max(0.0, (busy1 - busy0) - (own1 - own0)) / window_s

@@ -1,0 +1,67 @@
+"""`dagrl plan --memory`: the estimate's parameter counts equal the real model's, and each
+setting moves the line it should."""
+
+from __future__ import annotations
+
+import pytest
+
+from dagrl.config.loader import load_config
+from dagrl.config.schema import Config
+from dagrl.engines.lora import apply_lora
+from dagrl.engines.memory_estimate import (
+    ModelShape,
+    estimate_memory,
+    estimated_peak,
+    model_shape,
+)
+from dagrl.engines.models import load_model, write_tiny_model
+
+
+@pytest.mark.parametrize("family", ["tiny-qwen2", "tiny-llama"])
+def test_parameter_counts_equal_the_model(tmp_path, family):
+    path = write_tiny_model(tmp_path / family, family, hidden_size=64, layers=3)
+    model = load_model(str(path))
+    shape = ModelShape.of(model.config)
+    assert shape.params == sum(p.numel() for p in model.parameters())
+    lora = apply_lora(model, 8, 16.0, "all-linear", 0.0)
+    assert shape.lora_params(8) == sum(p.numel() for p in lora.parameters() if p.requires_grad)
+
+
+def _lines(*overrides: str) -> dict[str, int]:
+    cfg = load_config(Config, None, list(overrides))
+    return {line.name: line.bytes for line in estimate_memory(cfg, model_shape(cfg))}
+
+
+def test_each_setting_moves_its_line():
+    base = _lines("rollout.backend=native")
+    p = base["actor weights"]
+    assert base["gradients"] == p and base["AdamW state"] == 2 * p
+    assert base["reference weights"] == p and base["rollout weights"] == 0   # reads the actor's
+    lora = _lines("rollout.backend=native", "actor.lora.rank=4")
+    assert lora["reference weights"] == 0 and 0 < lora["gradients"] < p / 4
+    assert 0 < lora["rollout weights"] < p                  # the adapted linears only
+    two = _lines("rollout.backend=native", "trainer.n_workers=2")
+    assert two["actor weights"] == p // 2 and two["rollout weights"] == 2 * two["actor weights"]
+    ckpt = _lines("actor.activation_checkpointing=true")
+    assert ckpt["activations"] < base["activations"]
+    assert _lines("actor.logits_chunk_tokens=16")["logits"] < _lines(
+        "actor.logits_chunk_tokens=1024")["logits"]
+    assert _lines("rollout.n=16")["KV cache"] == 2 * _lines("rollout.n=8")["KV cache"]
+
+
+def test_peak_is_the_states_plus_the_larger_phase():
+    cfg = load_config(Config, None, [])
+    lines = estimate_memory(cfg, model_shape(cfg))
+    states = sum(x.bytes for x in lines if x.phase == "state")
+    update = sum(x.bytes for x in lines if x.phase == "update")
+    rollout = sum(x.bytes for x in lines if x.phase == "rollout")
+    assert estimated_peak(lines, 100) == 100 + states + max(update, rollout)
+
+
+def test_plan_memory_prints_the_breakdown(capsys):
+    from dagrl.cli import main
+
+    assert main(["plan", "--memory", "actor.lora.rank=4"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per rank:" in out and "adapters off: no copy" in out
+    assert "peak" in out and "runtime" in out
