@@ -183,6 +183,7 @@ def test_plan_draws_dot_and_svg(tmp_path, capsys):
     root = ET.fromstring(out.read_text())               # well-formed XML
     texts = [t.text for t in root.iter("{http://www.w3.org/2000/svg}text")]
     assert "rank 1" in texts and "actor_update" in texts
+    assert {"training node", "model forward / generation", "reshard"} <= set(texts)   # legend
 
 
 @pytest.mark.skipif(shutil.which("chromium") is None, reason="no chromium to render with")
@@ -211,10 +212,17 @@ def test_report_plots_validation_scores_and_survives_a_bare_run_dir(tmp_path):
 
     rows = [{"step": 0, "val/arith/score": 0.1, "val/samples": 64, "timing/validation_s": 1.0}]
     rows += [{"step": s, "reward/mean": 0.1 * s, "timing/step_s": 1.0, "timing/rollout_s": 0.6,
-              "timing/actor_update_s": 0.3, "val/arith/score": 0.1 + 0.1 * s} for s in (1, 2)]
+              "timing/actor_update_s": 0.3, "val/arith/score": 0.1 + 0.1 * s,
+              "reward/acc": 0.2 * s, "reward/errors": 0.0} for s in (1, 2)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     parser = _Sections()
     html = render_report(tmp_path)              # no config.resolved.yaml: no DAG picture
     parser.feed(html)
     assert len(parser.plots["validation"]) == 1 and len(parser.plots["node_time"]) == 1
     assert parser.plots["kl"] == [] and "could not be drawn" in html
+    # a custom scorer's extra key gets a plot; the distribution and error count do not
+    from dagrl.observe.report import reward_component_keys
+
+    assert reward_component_keys(rows) == ["reward/acc"]
+    assert len(parser.plots["reward_components"]) == 1
+    assert str(tmp_path) not in html            # no absolute path of the writer's machine

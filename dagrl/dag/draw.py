@@ -21,6 +21,12 @@ COLOURS = {"train": "#f4a582", "model": "#92c5de", "other": "#d9f0d3",
            "reshard": "#fddbc7", "balance": "#e7d4e8"}
 
 
+# The legend under the graph: (colour key, what it marks).
+LEGEND = [("train", "training node"), ("model", "model forward / generation"),
+          ("other", "reward, advantage, other"), ("reshard", "reshard"),
+          ("balance", "balance")]
+
+
 def _colour(role: str) -> str:
     if role in TRAIN_ROLES:
         return COLOURS["train"]
@@ -78,6 +84,7 @@ def layers(graph: GraphSpec, order: list[str]) -> dict[str, int]:
 
 
 CHAR_W, BOX_H, ROW_GAP, COL_GAP, PAD = 7.0, 30, 28, 24, 16
+SWATCH = 12
 
 
 def _node_label(graph: GraphSpec, node_id: str) -> str:
@@ -97,7 +104,8 @@ def to_svg(graph: GraphSpec, order: list[str], plans: list[RankPlan]) -> str:
     width_of = {n: CHAR_W * len(labels[n]) + 20 for n in order}
     row_widths = {d: sum(width_of[n] for n in ids) + COL_GAP * (len(ids) - 1)
                   for d, ids in rows.items()}
-    graph_w = max(row_widths.values()) + 2 * PAD
+    legend_w = SWATCH + 6 + CHAR_W * max(len(m) for _, m in LEGEND)
+    graph_w = max(max(row_widths.values()), legend_w) + 2 * PAD
     title_h = 28
     pos: dict[str, tuple[float, float]] = {}      # centre of each node's box
     for d, ids in rows.items():
@@ -117,6 +125,13 @@ def to_svg(graph: GraphSpec, order: list[str], plans: list[RankPlan]) -> str:
         parts.append(_box(pos[n][0] - width_of[n] / 2, pos[n][1] - BOX_H / 2, width_of[n],
                           _colour(graph.node(n).role), labels[n], node_id=n))
     graph_h = title_h + PAD + len(rows) * (BOX_H + ROW_GAP)
+    # Legend: a swatch and its meaning per colour, one per line under the graph.
+    for i, (key, meaning) in enumerate(LEGEND):
+        y = graph_h + i * (SWATCH + 4)
+        parts.append(f'<g class="legend"><rect x="{PAD:.1f}" y="{y:.1f}" width="{SWATCH}" '
+                     f'height="{SWATCH}" fill="{COLOURS[key]}" stroke="#333" stroke-width="1"/>'
+                     + _text(PAD + SWATCH + 6, y + SWATCH - 2, meaning) + "</g>")
+    graph_h += len(LEGEND) * (SWATCH + 4)
     # Per-rank task lists, side by side.
     x = graph_w + 2 * PAD
     plan_h = 0.0

@@ -163,9 +163,26 @@ def _memory(rows, task_names):
     names = task_names or sorted({k[len("memory/"):-len(f"_{per_node}_gb")] for k in present
                                   if k.endswith(f"_{per_node}_gb")})
     keys = [("memory/host_peak_gb", "host peak (process)"),
-            ("memory/device_peak_gb", "device peak")]
+            ("memory/device_peak_gb", "device peak"),
+            ("memory/estimated_peak_gb", "estimated peak (dagrl plan --memory)")]
     keys += [(f"memory/{n}_{per_node}_gb", f"{n} ({per_node})") for n in names]
     return _lines(rows, keys, "GiB (max over ranks)")
+
+
+# reward/<name> metrics that are not a scorer's own component (the distribution and counts).
+REWARD_SUMMARY = {"reward/mean", "reward/max", "reward/min", "reward/std", "reward/errors"}
+
+
+def reward_component_keys(rows: list[dict]) -> list[str]:
+    """reward/<name> metrics besides the reward's distribution: what a scorer returning a dict
+    adds (e.g. reward/acc, reward/format) and the overlong penalty."""
+    return sorted({k for r in rows for k in r
+                   if k.startswith("reward/") and k not in REWARD_SUMMARY})
+
+
+def _reward_components(rows, _):
+    keys = reward_component_keys(rows)
+    return _lines(rows, [(k, k[len("reward/"):]) for k in keys], "mean") if keys else None
 
 
 def _validation(rows, _):
@@ -177,6 +194,8 @@ def _validation(rows, _):
 PLOTS: list[tuple[str, str, str, Callable]] = [
     ("reward", "Reward", "mean reward of the step's samples, shaded from min to max",
      lambda r, _: _lines(r, [("reward/mean", "mean")], "reward", ("reward/min", "reward/max"))),
+    ("reward_components", "Reward components", "the extra keys a scorer returns in its dict, "
+     "and penalties (mean over the step's samples)", _reward_components),
     ("kl", "KL to the reference", "actor KL (loss term) and the reward penalty's KL",
      lambda r, _: _lines(r, [("actor/kl", "actor/kl"), ("actor/reward_kl", "reward KL")], "KL")),
     ("entropy", "Entropy", "mean token entropy of the policy during the update",
@@ -192,7 +211,8 @@ PLOTS: list[tuple[str, str, str, Callable]] = [
     ("throughput", "Throughput", "prompt + response tokens per second of step time; dashed: "
      "MFU where the device's peak is known, else achieved model TFLOP/s per device",
      _throughput),
-    ("memory", "Memory", "process peaks, and each node's device peak (host RSS on the CPU)",
+    ("memory", "Memory", "process peaks, the estimate made before the run (dagrl plan "
+     "--memory), and each node's device peak (host RSS on the CPU)",
      _memory),
 ]
 
@@ -263,6 +283,16 @@ overflow:auto;font-size:12px} .summary li{display:inline-block;margin-right:18px
 .dag{overflow:auto;border:1px solid #ddd;border-radius:6px}"""
 
 
+def shown_path(path: Path) -> str:
+    """How the report names a path: relative to the working directory when below it, else just
+    its name. A report is shared; the writer's absolute paths (home, user name) stay out of it."""
+    resolved = path.resolve()
+    try:
+        return str(resolved.relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return resolved.name
+
+
 def render_report(run_dir: str | Path, plan_for: PlanFor | None = None) -> str:
     """The report's HTML. `plan_for(config, world_size) -> (graph, order, plans)` (the one in
     `dagrl.roles.plan`) draws the run's DAG and per-rank plan."""
@@ -283,7 +313,7 @@ def render_report(run_dir: str | Path, plan_for: PlanFor | None = None) -> str:
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>dagrl report: "
             f"{escape(run_dir.name)}</title><style>{CSS}</style></head><body>"
             f"<h1>dagrl run {escape(run_dir.name)}</h1>"
-            f"<p class='meta'>{escape(str(run_dir.resolve()))} — report written "
+            f"<p class='meta'>{escape(shown_path(run_dir))} — report written "
             f"{datetime.now():%Y-%m-%d %H:%M}</p>{_summary(rows)}"
             f"<section id='plots'><h2>Metrics</h2><div class='plots'>{''.join(plots)}</div>"
             f"</section><section id='dag'><h2>DAG and per-rank plan</h2><div class='dag'>"
