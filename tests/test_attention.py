@@ -93,8 +93,11 @@ class MallInfo2(ctypes.Structure):   # glibc >= 2.33, <malloc.h>
                 "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.mallinfo2.restype = MallInfo2
-if sys.argv[1] == "keep":
+if sys.argv[1] in ("keep", "keep+map"):
     assert keep_freed_memory()
+if sys.argv[1] == "keep+map":          # trainer.trim_host_memory's large-block setting
+    from dagrl.engines.host_memory import map_large_blocks
+    assert map_large_blocks()
 MiB, out = 2**20, {"faults": []}
 for step in range(6):                  # six "steps": 8 activations of 5 MiB, then all freed
     before = (libc.mallinfo2().hblkhd, resource.getrusage(resource.RUSAGE_SELF).ru_minflt)
@@ -139,3 +142,8 @@ def test_keep_freed_memory_reuses_pages():
     assert sum(kept["faults"][3:]) < 1000, f"later steps faulted their pages in again: {kept}"
     # ... until released between nodes: the kept 40 MiB go back to the OS.
     assert kept["released_mib"] >= 30, f"malloc_trim returned too little: {kept}"
+    # trainer.trim_host_memory: large blocks get their own mappings again, kept or not, and go
+    # back to the OS when freed: nothing of them stays in the heap to fragment it.
+    mapped = run("keep+map")
+    assert mapped["mapped_mib"] >= 40, f"5 MiB blocks not mapped on their own: {mapped}"
+    assert mapped["free_kept_mib"] < 5, f"freed large blocks kept in the heap: {mapped}"

@@ -23,7 +23,7 @@ from dagrl.config.schema import Config
 from dagrl.device import is_host
 from dagrl.engines.actor import ActorEngine
 from dagrl.engines.critic import CriticEngine, load_value_model
-from dagrl.engines.host_memory import keep_freed_memory
+from dagrl.engines.host_memory import keep_freed_memory, map_large_blocks
 from dagrl.engines.lora import ReferenceView, apply_lora, is_lora, plain_copy
 from dagrl.engines.models import load_model, load_tokenizer
 from dagrl.engines.sharding import checkpoint_activations, compile_layers, shard_model
@@ -69,8 +69,11 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
     """Build the engines in `needed` (names from dagrl.roles.registry.ENGINES); `tokenizer`:
     the run's, when the caller has loaded it already (the worker does, for its pre-flight)."""
     m = cfg.model
-    if cfg.trainer.keep_freed_memory and is_host(device):   # before any model is allocated
-        keep_freed_memory()
+    if is_host(device):                 # before any model is allocated (host_memory.py)
+        if cfg.trainer.keep_freed_memory:
+            keep_freed_memory()
+        if cfg.trainer.trim_host_memory:    # large blocks mapped on their own: no fragmentation
+            map_large_blocks()
 
     def load() -> torch.nn.Module:
         return load_model(m.path, m.gguf_file, m.dtype, device, m.attn_implementation)

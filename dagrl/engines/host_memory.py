@@ -12,6 +12,14 @@ same point with jemalloc/tcmalloc; this needs no extra library.
 The cost: the process keeps its peak heap (it does not shrink after a spike). Set
 `trainer.keep_freed_memory=false` to keep glibc's defaults.
 
+For models whose live tensors take most of the machine (`trainer.trim_host_memory`), a heap
+that keeps freed blocks also fragments: a backward pass frees and allocates activations of
+many sizes between long-lived small objects, and the heap grows past what is live. Measured on
+one SmolLM2-135M LoRA micro-batch (4 x 135 tokens, activation checkpointing, forward and
+backward): live allocations peak +0.30 GiB, RSS +0.69 GiB with blocks up to 32 MiB from the
+heap; with every block of 1 MiB and more mapped on its own (`map_large_blocks`), RSS +0.29
+GiB, for 10-15% more update time (the pages are faulted in again each time).
+
 `release_freed_memory` is the counterweight for models whose phases each need gigabytes
 (`trainer.trim_host_memory`): called between two nodes, it hands the heap the finished node
 freed back to the OS, so the next node's peak adds to what is live, not to every earlier
@@ -34,6 +42,10 @@ _M_MMAP_THRESHOLD = -3
 # Blocks up to this size come from the heap (glibc's maximum, 32 MiB on 64-bit); larger ones
 # (a big KV cache, a checkpoint buffer) still get their own mapping, returned when freed.
 MMAP_THRESHOLD = 32 * 2**20
+# With trainer.trim_host_memory: blocks from this size up get their own mapping, returned to the
+# OS when freed, so the heap holds only small objects and cannot fragment (activations of a
+# 100M+ model are MiBs each). A fixed threshold also stops glibc's dynamic one from rising.
+LARGE_BLOCK = 2**20
 # Free memory at the top of the heap is returned to the OS only above this much (the largest
 # value mallopt's int takes, ~2 GiB).
 TRIM_THRESHOLD = 2**31 - 1
@@ -65,3 +77,14 @@ def keep_freed_memory() -> bool:
     # mallopt returns 1 on success, 0 on a rejected value.
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)
                 and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+def map_large_blocks(threshold: int = LARGE_BLOCK) -> bool:
+    """Serve every block of `threshold` bytes or more with its own mmap (returned when freed):
+    RSS then follows the live tensors instead of the heap's high-water mark. True if applied,
+    False where there is no glibc."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is None:
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, threshold))
