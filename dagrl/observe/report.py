@@ -165,7 +165,8 @@ def _memory(rows, task_names):
     keys = [("memory/host_peak_gb", "host peak (process)"),
             ("memory/device_peak_gb", "device peak"),
             ("memory/estimated_peak_gb", "estimated peak (dagrl plan --memory)")]
-    keys += [(f"memory/{n}_{per_node}_gb", f"{n} ({per_node})") for n in names]
+    after = "host, after" if per_node == "host" else "device peak"
+    keys += [(f"memory/{n}_{per_node}_gb", f"{n} ({after})") for n in names]
     return _lines(rows, keys, "GiB (max over ranks)")
 
 
@@ -212,7 +213,7 @@ PLOTS: list[tuple[str, str, str, Callable]] = [
      "MFU where the device's peak is known, else achieved model TFLOP/s per device",
      _throughput),
     ("memory", "Memory", "process peaks, the estimate made before the run (dagrl plan "
-     "--memory), and each node's device peak (host RSS on the CPU)",
+     "--memory), and per node its device peak (on the CPU: host RSS after the node)",
      _memory),
 ]
 
