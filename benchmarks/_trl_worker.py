@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="KL coefficient (> 0 loads TRL's reference model)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--reward", choices=tuple(REWARDS), default="arith")
+    parser.add_argument("--bf16", action="store_true",
+                        help="TrainingArguments.bf16: mixed precision (autocast to bfloat16)")
     parser.add_argument("--compile", action="store_true",
                         help="TrainingArguments.torch_compile (the model wrapped in torch.compile)")
     ns = parser.parse_args(argv)
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     batch = ns.prompts * ns.samples
     with tempfile.TemporaryDirectory(prefix="dagrl-trl-") as out_dir:
         config = GRPOConfig(
-            output_dir=out_dir, seed=ns.seed, use_cpu=True, bf16=False, fp16=False,
+            output_dir=out_dir, seed=ns.seed, use_cpu=True, bf16=ns.bf16, fp16=False,
             max_steps=ns.steps, logging_steps=1, save_strategy="no", eval_strategy="no",
             report_to="none", disable_tqdm=True, dataloader_num_workers=0,
             # One step = one generation batch of prompts x samples = one optimizer step.
@@ -159,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
                      "torch": torch.__version__},
         "threads": torch.get_num_threads(),
-        "config": {"gradient_checkpointing": config.gradient_checkpointing,
+        "config": {"gradient_checkpointing": config.gradient_checkpointing, "bf16": config.bf16,
                    "loss_type": config.loss_type, "beta": config.beta},
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "step_seconds": [b[0] - a[0] for a, b in itertools.pairwise(clock.marks)],

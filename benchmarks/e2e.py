@@ -22,15 +22,16 @@ HF directory both sides load; gsm8k-synth train prompts in the chat template (bo
 the same tokens); 8 prompts x 4 samples, exactly 48 tokens each; GRPO with a KL loss of 0.001
 against a reference model (k3 / low_var_kl); verl's flexible GSM8K reward; one optimizer step
 per batch; 2 threads; one round. Ours runs examples/smollm2_gsm8k.yaml (its memory settings
-on), TRL its GRPOTrainer defaults (which checkpoint activations).
+on), TRL its GRPOTrainer defaults (which checkpoint activations). `--precision bfloat16` runs
+both sides in mixed precision (ours model.mixed_precision=bfloat16, TRL bf16=True).
 
 Every side runs as its own process; its peak RSS is the `ru_maxrss` the kernel reports for
 that process tree when it exits (`os.wait4`), the same measure for both.
 
 It prints completion tokens per second of wall time for each side, every ours/TRL ratio, the
 ratio of each framework's fastest setting (the 2x target), and a hardware limit for the same
-work: FLOPs per step (see `step_flops`) over the measured float32 matmul rate of this machine
-at the same thread count.
+work: FLOPs per step (see `step_flops`) over the measured matmul rate of this machine at the
+same thread count, in the run's precision.
 
 TRL runs in its own virtual environment (default ~/.cache/dagrl-bench/trl-venv), created on
 first use with torch pinned to 2.13.0, so installing it never touches this environment.
@@ -83,6 +84,9 @@ class Workload:
     tokens: int = 32
     threads: int = 2
     name: str = "tiny"              # tiny | smollm2
+    # float32 | bfloat16: mixed precision on both sides (ours model.mixed_precision, TRL's
+    # TrainingArguments.bf16), float32 master weights on both.
+    precision: str = "float32"
 
     @property
     def completion_tokens(self) -> int:
@@ -219,6 +223,8 @@ def ours_config(model: Path, data: Path, work: Workload, run_dir: Path,
               "trainer.device=cpu", f"trainer.run_dir={run_dir}",
               "logging.backends=[jsonl]", "logging.progress_bar=false",
               f"actor.compile={str(compile_layers).lower()}"]
+    if work.precision == "bfloat16":
+        common.append("model.mixed_precision=bfloat16")
     if work.name == "smollm2":
         # The example as a user runs it (memory settings, KL loss 0.001, flexible GSM8K
         # reward), on the dequantised directory and without validation or checkpoints.
@@ -306,7 +312,8 @@ def run_trl(python: Path, model: Path, data: Path, work: Workload, out: Path,
     cmd = [str(python), str(worker), "--model", str(model), "--data", str(data),
            "--out", str(out), "--steps", str(work.steps), "--prompts", str(work.prompts),
            "--samples", str(work.samples), "--tokens", str(work.tokens),
-           "--threads", str(work.threads), *extra, *(["--compile"] if compile_model else [])]
+           "--threads", str(work.threads), *extra, *(["--compile"] if compile_model else []),
+           *(["--bf16"] if work.precision == "bfloat16" else [])]
     env = {**os.environ, "OMP_NUM_THREADS": str(work.threads), "TOKENIZERS_PARALLELISM": "false",
            "PYTHONWARNINGS": "ignore"}
     peak = run_measured(cmd, env=env)
@@ -317,12 +324,13 @@ def run_trl(python: Path, model: Path, data: Path, work: Workload, out: Path,
 
 # --- the hardware limit ------------------------------------------------------------------------
 
-def matmul_gflops(threads: int, n: int = 1024, repeats: int = 20) -> float:
-    """Best float32 GFLOP/s of an n x n matmul at `threads` threads (best, not mean: the limit
-    is what the cores can do, and other load on the machine only lowers a sample)."""
+def matmul_gflops(threads: int, n: int = 1024, repeats: int = 20,
+                  dtype: str = "float32") -> float:
+    """Best GFLOP/s of an n x n matmul in `dtype` at `threads` threads (best, not mean: the
+    limit is what the cores can do, and other load on the machine only lowers a sample)."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = (torch.randn(n, n, dtype=getattr(torch, dtype)) for _ in range(2))
     try:
         torch.mm(a, b)
         best = float("inf")
@@ -395,6 +403,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, help="completion tokens per sample (tiny 32, "
                         "smollm2 48)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads on each side")
+    parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32",
+                        help="bfloat16: mixed precision on both sides (bfloat16 matmuls, float32 "
+                             "master weights); the limit then uses the bfloat16 matmul rate")
     parser.add_argument("--sides", help=f"comma-separated, of {', '.join(SIDES)} (tiny: "
                         f"{WORKLOAD_DEFAULTS['tiny']['sides']}; smollm2: ours,trl)")
     parser.add_argument("--rounds", type=int,
@@ -412,11 +423,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     sides = [side for side in SIDES if side in ns.sides.split(",")]
     if not sides or set(ns.sides.split(",")) - set(SIDES):
         parser.error(f"--sides takes a comma-separated subset of {', '.join(SIDES)}")
-    work = Workload(ns.steps, ns.prompts, ns.samples, ns.tokens, ns.threads, ns.workload)
+    work = Workload(ns.steps, ns.prompts, ns.samples, ns.tokens, ns.threads, ns.workload,
+                    ns.precision)
 
     python = ensure_trl_venv(ns.venv) if any(s.startswith("trl") for s in sides) else None
     ns.out.mkdir(parents=True, exist_ok=True)
-    gflops_before = matmul_gflops(work.threads)
+    gflops_before = matmul_gflops(work.threads, dtype=work.precision)
     model, data = write_workload(ns.out, work.name)
     results: dict = {"workload": dataclasses.asdict(work), "cpus": os.cpu_count(),
                      "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -439,7 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         results[side] = {**pool(runs[side], work), "compile": side.endswith("-compiled")}
 
     # Best of before and after: the machine's rate, not whatever load it had at one moment.
-    gflops = max(gflops_before, matmul_gflops(work.threads))
+    gflops = max(gflops_before, matmul_gflops(work.threads, dtype=work.precision))
     flops = step_flops(work, mean_prompt_tokens(data, model, work.name), ModelShape.of(model),
                        kl=work.name == "smollm2")
     limit_s = flops["total"] / (gflops * 1e9)
@@ -447,7 +459,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "tokens_per_s": work.completion_tokens / limit_s}
     print(f"\nworkload: {work.prompts} prompts x {work.samples} samples x {work.tokens} tokens "
           f"= {work.completion_tokens} completion tokens/step, {work.steps} steps (first "
-          f"excluded) x {ns.rounds} rounds per side, {work.threads} threads, {os.cpu_count()} CPUs")
+          f"excluded) x {ns.rounds} rounds per side, {work.threads} threads, {os.cpu_count()} CPUs"
+          f", {work.precision}")
     for side in sides:
         r = results[side]
         r["fraction_of_limit"] = r["tokens_per_s"] / results["limit"]["tokens_per_s"]
@@ -481,7 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"({ours_peak / trl_peak:.2f}x): {'lower' if ours_peak < trl_peak else 'NOT lower'}")
     print(f"limit: {flops['total'] / 1e9:.2f} GFLOP/step ({flops['forwards']} forwards of "
           f"{flops['seq_tokens']:.1f} tokens x {work.prompts * work.samples} sequences, "
-          f"{flops['matmul_params']:,} matmul params) at {gflops:.1f} GFLOP/s = "
+          f"{flops['matmul_params']:,} matmul params) at {gflops:.1f} {work.precision} GFLOP/s = "
           f"{limit_s * 1e3:.0f} ms/step = "
           f"{results['limit']['tokens_per_s']:.0f} completion tokens/s")
     if ns.json:

@@ -159,3 +159,11 @@ def ray_actor_options(kind: str) -> dict:
         return {"num_cpus": 1, "resources": {RAY_RESOURCE[kind]: 1}}
     return {"num_cpus": 1}
 
+
+def native_bf16_matmul(device: torch.device) -> bool:
+    """Whether bfloat16 matmuls run natively (faster than float32) on `device`: always on CUDA
+    and NPU; on the host only with AVX512-BF16 or AMX (oneDNN), elsewhere they are emulated and
+    slower than float32."""
+    if device.type != HOST:
+        return True
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())

@@ -30,6 +30,7 @@ class ActorEngine(TrainEngine):
 
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, algo: AlgorithmConfig, *,
                  temperature: float, mini_batch_samples: int, pack_sequences: bool = False,
+                 mixed_precision: str = "none",
                  dp_group: dist.ProcessGroup | None = None) -> None:
         """`temperature`: the T of log softmax(z / T), the one the rollout recorded
         (`rollout.sampling.logprob_temperature`)."""
@@ -37,7 +38,8 @@ class ActorEngine(TrainEngine):
                          mini_batch_samples=mini_batch_samples,
                          micro_batch_size=cfg.micro_batch_size, epochs=cfg.ppo_epochs,
                          max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
-                         pack_sequences=pack_sequences, dp_group=dp_group)
+                         pack_sequences=pack_sequences, mixed_precision=mixed_precision,
+                         dp_group=dp_group)
         self.cfg, self.algo = cfg, algo
         self.temperature = temperature
         self.policy_loss_fn = POLICY_LOSSES.get(algo.policy_loss)
@@ -48,10 +50,11 @@ class ActorEngine(TrainEngine):
     def compute_logprobs(self, batch: Batch) -> torch.Tensor:
         """Forward-only log-probs of the responses under the current weights: [N, R]."""
         self.model.eval()
-        return batch_logprobs(self.model, batch, micro_batch_size=self.micro_batch_size,
-                              temperature=self.temperature,
-                              chunk_tokens=self.cfg.logits_chunk_tokens,
-                              max_tokens=self.max_tokens, pack=self.pack)
+        with self.autocast():
+            return batch_logprobs(self.model, batch, micro_batch_size=self.micro_batch_size,
+                                  temperature=self.temperature,
+                                  chunk_tokens=self.cfg.logits_chunk_tokens,
+                                  max_tokens=self.max_tokens, pack=self.pack)
 
     def check_batch(self, batch: Batch) -> None:
         if self.algo.kl_loss_coef > 0 and "ref_logprobs" not in batch:
@@ -67,10 +70,11 @@ class ActorEngine(TrainEngine):
     def micro_loss(self, micro: Batch, denom: float, metrics: StepMetrics):
         algo, mode = self.algo, self.loss_agg_mode
         mask = micro["response_mask"]
-        out = response_logprobs(self.model, micro["prompt_ids"], micro["prompt_mask"],
-                                micro["responses"], mask, temperature=self.temperature,
-                                with_entropy=True, chunk_tokens=self.cfg.logits_chunk_tokens,
-                                pack=self.pack)
+        with self.autocast():
+            out = response_logprobs(self.model, micro["prompt_ids"], micro["prompt_mask"],
+                                    micro["responses"], mask, temperature=self.temperature,
+                                    with_entropy=True, chunk_tokens=self.cfg.logits_chunk_tokens,
+                                    pack=self.pack)
         # Without an old_logprob pass the batch gets one optimizer step, taken from the weights
         # that generated it (checked in check_batch): pi_old = pi, as a constant.
         old = micro["old_logprobs"] if "old_logprobs" in micro else out.logprobs.detach()

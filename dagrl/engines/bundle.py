@@ -25,7 +25,8 @@ from dagrl.engines.actor import ActorEngine
 from dagrl.engines.critic import CriticEngine, load_value_model
 from dagrl.engines.host_memory import keep_freed_memory, map_large_blocks
 from dagrl.engines.lora import ReferenceView, apply_lora, is_lora, plain_copy
-from dagrl.engines.models import load_model, load_tokenizer
+from dagrl.engines.models import DTYPES, cast_copy, load_model, load_tokenizer
+from dagrl.engines.precision import store_linears_in_low_precision
 from dagrl.engines.sharding import checkpoint_activations, compile_layers, shard_model
 from dagrl.rewards.manager import RewardManager
 from dagrl.rollout import RolloutEngine, build_rollout
@@ -75,8 +76,8 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
         if cfg.trainer.trim_host_memory:    # large blocks mapped on their own: no fragmentation
             map_large_blocks()
 
-    def load() -> torch.nn.Module:
-        return load_model(m.path, m.gguf_file, m.dtype, device, m.attn_implementation)
+    def load(dtype: str = m.dtype) -> torch.nn.Module:
+        return load_model(m.path, m.gguf_file, dtype, device, m.attn_implementation)
 
     def shard(model: torch.nn.Module) -> torch.nn.Module:
         return shard_model(model, world_size, device.type)
@@ -98,35 +99,44 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
         engines.actor = ActorEngine(shard(actor_model), cfg.actor, cfg.algorithm,
                                     temperature=logprob_temperature(cfg.rollout.temperature),
                                     mini_batch_samples=cfg.mini_batch_samples_per_rank,
-                                    pack_sequences=m.pack_sequences, dp_group=dp_group)
+                                    pack_sequences=m.pack_sequences,
+                                    mixed_precision=m.mixed_precision, dp_group=dp_group)
     if "critic" in needed:
         critic_model = load_value_model(cfg.critic.path or m.path, m.dtype, device,
                                         m.attn_implementation)
         engines.critic = CriticEngine(shard(critic_model), cfg.critic,
                                       loss_agg_mode=cfg.algorithm.loss_agg_mode,
                                       mini_batch_samples=cfg.mini_batch_samples_per_rank,
-                                      pack_sequences=m.pack_sequences, dp_group=dp_group)
+                                      pack_sequences=m.pack_sequences,
+                                      mixed_precision=m.mixed_precision, dp_group=dp_group)
     if "rollout" in needed:
         # Starts from the same checkpoint as the actor: nothing to sync before the first update.
-        # One worker: the native decoder reads the actor's own (whole) weights, no copy.
+        # One worker: the native decoder reads the actor's own (whole) weights, no copy,
+        # unless the rollout runs in another dtype (mixed precision).
         whole_actor = engines.actor.model if engines.actor and world_size == 1 else None
+        dtype = m.rollout_dtype
 
         def load_rollout_copy() -> torch.nn.Module:
-            # A whole LoRA actor's copy is built from it, holding only the merged adapted
-            # linears; the rest is the actor's own frozen tensors.
-            if whole_actor is not None and is_lora(whole_actor):
-                return plain_copy(whole_actor)
-            return load()
+            if whole_actor is None:
+                return load(dtype)
+            # Built from the whole actor, with no second load. Under LoRA the copy holds only
+            # the merged adapted linears and shares the actor's frozen tensors, unless mixed
+            # precision wants every weight cast to bfloat16.
+            if is_lora(whole_actor):
+                plain = plain_copy(whole_actor)
+                return plain if dtype == m.dtype else cast_copy(plain, DTYPES[dtype])
+            return cast_copy(whole_actor, DTYPES[dtype])
 
         engines.rollout = build_rollout(cfg, load_rollout_copy, device,
                                         eos_token_id=tokenizer.eos_token_id,
                                         pad_token_id=tokenizer.pad_token_id,
-                                        actor_model=whole_actor)
+                                        actor_model=whole_actor if dtype == m.dtype else None)
     if "ref" in needed and cfg.actor.lora.rank and engines.actor is not None:
         # Under LoRA the reference is the frozen base: the actor with its adapters off.
         engines.ref_model = ReferenceView(engines.actor.model)
     elif "ref" in needed:
-        ref = load().eval().requires_grad_(False)
+        ref = store_linears_in_low_precision(load().eval().requires_grad_(False),
+                                             m.mixed_precision)
         if cfg.actor.compile:
             compile_layers(ref)
         engines.ref_model = shard(ref)

@@ -36,24 +36,28 @@ class CriticEngine(TrainEngine):
 
     def __init__(self, model: torch.nn.Module, cfg: CriticConfig, *, loss_agg_mode: str,
                  mini_batch_samples: int, pack_sequences: bool = False,
+                 mixed_precision: str = "none",
                  dp_group: dist.ProcessGroup | None = None) -> None:
         """`mini_batch_samples`: the actor's (the critic steps on the same mini-batches)."""
         super().__init__(model, cfg, loss_agg_mode=loss_agg_mode,
                          mini_batch_samples=mini_batch_samples,
                          micro_batch_size=cfg.micro_batch_size, epochs=cfg.ppo_epochs,
                          max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
-                         pack_sequences=pack_sequences, dp_group=dp_group)
+                         pack_sequences=pack_sequences, mixed_precision=mixed_precision,
+                         dp_group=dp_group)
         self.cfg = cfg
 
     def compute_values(self, batch: Batch) -> torch.Tensor:
         self.model.eval()
-        return batch_values(self.model, batch, micro_batch_size=self.micro_batch_size,
-                            max_tokens=self.max_tokens, pack=self.pack)
+        with self.autocast():
+            return batch_values(self.model, batch, micro_batch_size=self.micro_batch_size,
+                                max_tokens=self.max_tokens, pack=self.pack)
 
     def micro_loss(self, micro: Batch, denom: float, metrics: StepMetrics):
         mask = micro["response_mask"]
-        values = response_values(self.model, micro["prompt_ids"], micro["prompt_mask"],
-                                 micro["responses"], mask, pack=self.pack)
+        with self.autocast():
+            values = response_values(self.model, micro["prompt_ids"], micro["prompt_mask"],
+                                     micro["responses"], mask, pack=self.pack)
         loss_mat, stats = clipped_value_loss(values, micro["values"], micro["returns"], mask,
                                              cliprange_value=self.cfg.cliprange_value)
         loss = agg_loss(loss_mat, mask, self.loss_agg_mode, denom=denom)

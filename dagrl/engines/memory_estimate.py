@@ -9,15 +9,20 @@ per micro-batch of S = prompt + response tokens:
     actor weights      P b / W
     gradients          T b / W                 (freed after each optimizer step)
     AdamW state        2 T b / W               (exp_avg, exp_avg_sq)
-    reference weights  P b / W                 (0 under LoRA: the actor with adapters off)
-    rollout weights    P b (a whole copy; 0 when the native decoder reads the actor's own
-                       weights, one worker without LoRA; the adapted linears only under LoRA)
-    KV cache           2 L R S n_kv d b       (the native decoder preallocates it; the larger
+    reference weights  P b / W                 (0 under LoRA: the actor with adapters off;
+                                            linears in 2 bytes under mixed precision)
+    rollout weights    P b' (a whole copy; 0 when the native decoder reads the actor's own
+                       weights, one worker without LoRA; the adapted linears only under LoRA;
+                       b' = 2 under mixed precision, a bfloat16 copy)
+    KV cache           2 L R S n_kv d b'      (the native decoder preallocates it; the larger
                        of a training and a validation rollout)
     activations        M S H b L              (checkpointed: each layer's input; one layer's
                        intermediates on top) or M S L (6H + 2 n_kv d + 4I) b without
     logits             3 C V 4                 (C = logits_chunk_tokens rows of fp32 logits,
                        their log-softmax and gradient; C = M x response tokens without chunks)
+    autocast casts     2 T                     (mixed precision: the bfloat16 copies of the
+                       trained weights autocast keeps during a forward; the layers'
+                       intermediates then count 2 bytes)
 
 Not counted: the allocator's fragmentation and the Python/torch runtime (the estimate reports
 this process's RSS after importing them as a line of its own). vLLM and server rollouts hold
@@ -122,22 +127,30 @@ def estimate_memory(cfg: Config, shape: ModelShape, *, has_ref: bool = True) -> 
                             f"{trained / 1e6:.2f}M trained" + (" (LoRA)" if lora else ""),
                             "update"))
     lines.append(MemoryLine("AdamW state", 2 * trained * b // w, "exp_avg + exp_avg_sq"))
+    mixed = cfg.model.mixed_precision != "none"
+    ref_note = "adapters off: no copy" if lora else ("" if has_ref else "no ref")
     ref = p * b // w if has_ref and not lora else 0
-    lines.append(MemoryLine("reference weights", ref,
-                            "adapters off: no copy" if lora else ("" if has_ref else "no ref")))
+    if ref and mixed:   # the linears in bfloat16 (engines/precision.py), the rest in b bytes
+        linears = shape.linear_params + (0 if shape.tied else shape.vocab * shape.hidden)
+        ref = ((p - linears) * b + linears * 2) // w
+        ref_note = "linears in bfloat16"
+    lines.append(MemoryLine("reference weights", ref, ref_note))
     backend = cfg.rollout.backend
+    rb = DTYPES[cfg.model.rollout_dtype].itemsize      # the rollout copy's bytes per value
     if backend in ("vllm", "server"):
         rollout, note = 0, "held by the engine (not counted)"
+    elif w == 1 and mixed:
+        rollout, note = p * rb, f"a {cfg.model.rollout_dtype} cast of the actor"
     elif w == 1 and not lora and backend in ("native", "auto"):
         rollout, note = 0, "reads the actor's weights"
     elif w == 1 and lora:
         rollout, note = shape.linear_params * b, "merged adapted linears; the rest shared"
     else:
-        rollout, note = p * b, "a whole copy on every worker"
+        rollout, note = p * rb, "a whole copy on every worker"
     lines.append(MemoryLine("rollout weights", rollout, note))
 
     d, r = cfg.data, cfg.rollout
-    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * b
+    kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * rb
     train_rows = d.train_batch_size // w * r.n
     val_rows = d.val_batch_size * r.val_n
     rows = max(train_rows, val_rows) if cfg.trainer.val_every or cfg.trainer.val_before_train \
@@ -155,7 +168,10 @@ def estimate_memory(cfg: Config, shape: ModelShape, *, has_ref: bool = True) -> 
         tokens = micro * seq
         micro_note = f"{micro} x {seq} tokens a micro-batch"
     h, kvd = shape.hidden, shape.kv_heads * shape.head_dim
-    per_layer_token = (6 * h + 2 * kvd + 4 * shape.intermediate) * b
+    # Under autocast the matmuls' outputs (most saved intermediates) are bfloat16; the
+    # residual stream, hence each checkpointed layer input, stays float32.
+    ab = 2 if mixed else b
+    per_layer_token = (6 * h + 2 * kvd + 4 * shape.intermediate) * ab
     if a.activation_checkpointing:
         act = tokens * h * b * shape.layers + tokens * per_layer_token
         act_note = micro_note + ", checkpointed"
@@ -163,6 +179,10 @@ def estimate_memory(cfg: Config, shape: ModelShape, *, has_ref: bool = True) -> 
         act = tokens * per_layer_token * shape.layers
         act_note = micro_note
     lines.append(MemoryLine("activations", act, act_note, "update"))
+    if mixed:   # autocast keeps its bfloat16 casts of the trained weights for the forward
+        cast = trained * 2   # (frozen ones are cast at each use and freed: not kept)
+        lines.append(MemoryLine("autocast weight casts", cast, "bfloat16 copies of the linears'"
+                                " weights during a forward", "update"))
     head_rows = a.logits_chunk_tokens or micro * r.max_new_tokens
     lines.append(MemoryLine("logits", 3 * head_rows * shape.vocab * 4,
                             f"{head_rows} x {shape.vocab} fp32, x3 in backward", "update"))

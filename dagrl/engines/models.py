@@ -264,3 +264,28 @@ def _disable_dropout(model: torch.nn.Module) -> None:
     for attr in ("attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop"):
         if hasattr(model.config, attr):
             setattr(model.config, attr, 0.0)
+
+
+@torch.no_grad()
+def cast_copy(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
+    """An inference copy of a plain HF model with its parameters in `dtype`, built from the model
+    itself (no second load from disk): the module tree on the meta device, each parameter a cast
+    copy (tied ones stay tied), the buffers (rotary frequencies) shared and left in float32.
+    The bfloat16 rollout copy of mixed precision (engines/precision.py)."""
+    with torch.device("meta"):
+        copy = type(model)(model.config)
+    params: dict[int, torch.nn.Parameter] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in params:
+            params[id(p)] = torch.nn.Parameter(p.detach().to(dtype, copy=True),
+                                               requires_grad=False)
+        module, _, leaf = name.rpartition(".")
+        setattr(copy.get_submodule(module), leaf, params[id(p)])
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        module, _, leaf = name.rpartition(".")
+        copy.get_submodule(module)._buffers[leaf] = buffer
+    left = [n for n, t in [*copy.named_parameters(), *copy.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"cast copy: no value for {left[:4]}")
+    copy.config.dtype = dtype
+    return copy.eval()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from contextlib import AbstractContextManager
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,7 @@ from dagrl.config.schema import OptimConfig
 from dagrl.data.batch import Batch
 from dagrl.device import fused_optimizer_supported
 from dagrl.engines.micro_batches import micro_batches
+from dagrl.engines.precision import autocast
 from dagrl.observe.metrics import StepMetrics
 
 
@@ -42,18 +44,21 @@ class TrainEngine(ABC):
     def __init__(self, model: torch.nn.Module, optim: OptimConfig, *, loss_agg_mode: str,
                  mini_batch_samples: int, micro_batch_size: int, epochs: int,
                  max_tokens_per_micro_batch: int = 0, pack_sequences: bool = False,
+                 mixed_precision: str = "none",
                  dp_group: dist.ProcessGroup | None = None) -> None:
         """`mini_batch_samples`: samples per optimizer step on this rank
         (`Config.mini_batch_samples_per_rank`); `micro_batch_size`: samples per forward and
         backward, or `max_tokens_per_micro_batch` > 0: micro-batches cut by a token budget
         (engines/micro_batches.py); `pack_sequences`: forwards without padding
-        (engines/forward.py); `epochs`: passes over each batch."""
+        (engines/forward.py); `epochs`: passes over each batch; `mixed_precision`: the
+        forwards' autocast (engines/precision.py)."""
         self.model = model
         self.grad_clip = optim.grad_clip
         self.loss_agg_mode = loss_agg_mode
         self.mini_batch_samples, self.micro_batch_size = mini_batch_samples, micro_batch_size
         self.max_tokens, self.pack = max_tokens_per_micro_batch, pack_sequences
         self.epochs = epochs
+        self.mixed_precision = mixed_precision
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
         # The fused kernel updates all parameters in one pass: 0.6 ms instead of 3.3 ms per
@@ -72,6 +77,11 @@ class TrainEngine(ABC):
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
+
+    def autocast(self) -> AbstractContextManager:
+        """The context every forward of this engine runs in (mixed precision or nothing);
+        backward runs outside it, in the dtypes autocast recorded."""
+        return autocast(self.mixed_precision, self.device)
 
     @abstractmethod
     def micro_loss(self, micro: Batch, denom: float,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dagrl.data.batch import Batch
 from dagrl.engines.forward import batch_logprobs
+from dagrl.engines.precision import autocast
 from dagrl.roles.registry import NodeContext, register_role
 from dagrl.rollout.sampling import logprob_temperature
 
@@ -25,12 +26,14 @@ def old_logprob(ctx: NodeContext, batch: Batch) -> Batch:
 
 @register_role("ref_logprob", engines=("ref",))
 def ref_logprob(ctx: NodeContext, batch: Batch) -> Batch:
-    batch["ref_logprobs"] = batch_logprobs(
-        ctx.engines.ref_model, batch, micro_batch_size=ctx.config.ref.micro_batch_size,
-        temperature=logprob_temperature(ctx.config.rollout.temperature),
-        chunk_tokens=ctx.config.ref.logits_chunk_tokens,
-        max_tokens=ctx.config.ref.max_tokens_per_micro_batch,
-        pack=ctx.config.model.pack_sequences)
+    # The update's autocast, so that pi_ref = pi to the bit while the weights are equal.
+    with autocast(ctx.config.model.mixed_precision, batch["responses"].device):
+        batch["ref_logprobs"] = batch_logprobs(
+            ctx.engines.ref_model, batch, micro_batch_size=ctx.config.ref.micro_batch_size,
+            temperature=logprob_temperature(ctx.config.rollout.temperature),
+            chunk_tokens=ctx.config.ref.logits_chunk_tokens,
+            max_tokens=ctx.config.ref.max_tokens_per_micro_batch,
+            pack=ctx.config.model.pack_sequences)
     return batch
 
 

@@ -61,7 +61,7 @@ class VLLMSettings:
     @classmethod
     def from_config(cls, cfg: Config) -> VLLMSettings:
         v = cfg.rollout.vllm
-        return cls(model_path=cfg.model.path, dtype=cfg.model.dtype,
+        return cls(model_path=cfg.model.path, dtype=cfg.model.rollout_dtype,
                    max_model_len=v.max_model_len or (cfg.data.max_prompt_length
                                                      + cfg.rollout.max_new_tokens),
                    seed=cfg.trainer.seed, gpu_memory_utilization=v.gpu_memory_utilization,

@@ -6,7 +6,9 @@ loads (loading a real model takes a minute; a typo should not).
   one is named with its file and row now, not at the step that first draws it;
 - CPU threads: torch threads x workers on this host above the cores, or other processes
   already busy on the cores the run wants, make every step several times slower with no
-  error; say so.
+  error; say so;
+- mixed precision on a CPU that emulates bfloat16 (no AVX512-BF16 or AMX) is slower than
+  float32; say so.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from dagrl.data.dataset import PromptLoader
+from dagrl.device import native_bf16_matmul
 
 PREFLIGHT_ROWS = 1024
 
@@ -65,3 +68,12 @@ def busy_cores_of_others(window_s: float) -> float:
     except (OSError, ValueError):
         return 0.0
     return max(0.0, (busy1 - busy0) - (own1 - own0)) / window_s
+
+
+def check_mixed_precision(mixed_precision: str, device: torch.device,
+                          log: Callable[[str], None]) -> None:
+    """Warn when model.mixed_precision asks for bfloat16 matmuls the device only emulates."""
+    if mixed_precision != "none" and not native_bf16_matmul(device):
+        log(f"warning: model.mixed_precision={mixed_precision} on a CPU without AVX512-BF16 or "
+            "AMX: bfloat16 matmuls are emulated and slower than float32 here; use "
+            "model.mixed_precision=none")

@@ -44,7 +44,7 @@ from dagrl.roles.plan import engines_of, plan_for
 from dagrl.roles.registry import ROLES, NodeContext
 from dagrl.runtime.checkpoint import Checkpointer, Stateful, resolve_resume
 from dagrl.runtime.distributed import DistContext, create_layout_groups
-from dagrl.runtime.preflight import check_cpu_threads, check_prompts
+from dagrl.runtime.preflight import check_cpu_threads, check_mixed_precision, check_prompts
 from dagrl.runtime.validation import Validator
 
 
@@ -102,6 +102,7 @@ class Worker:
         check_prompts(loaders, self.log)
         if is_host(self.device):
             check_cpu_threads(t.torch_threads, self.dist.local_world_size, self.log)
+        check_mixed_precision(cfg.model.mixed_precision, self.device, self.log)
         self.engines = build_engines(cfg, needed, self.device, world_size=self.world_size,
                                      log=self.log, tokenizer=tokenizer)
         if self.loader.dropped_per_epoch:
