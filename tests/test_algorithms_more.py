@@ -257,9 +257,12 @@ def test_gae_lambda_gamma_one_returns_are_reward_to_go():
             assert ret[i, t].item() == pytest.approx(to_go, abs=1e-5)
 
 
-@pytest.mark.parametrize("name", ["reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"])
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae",
+                                  "gdpo", "gpg"])
 def test_whitening_estimators_three_ranks_equal_single_process(name):
     rewards, mask, values = random_batch(seed=6, B=12)
+    # Zero scores on the first two ranks only (GPG's α counts the nonzero ones globally).
+    rewards[[0, 1, 5]] = 0.0
     group_index = torch.arange(12) // 4  # 3 prompts × 4 samples, one prompt per rank
     fn = ADVANTAGE_ESTIMATORS.get(name)
 
@@ -271,6 +274,9 @@ def test_whitening_estimators_three_ranks_equal_single_process(name):
     outputs = run_ranks(call, shards_of(rewards, mask, group_index, values))
     assert torch.allclose(torch.cat([a for a, _ in outputs]), full_adv, atol=1e-5)
     assert torch.allclose(torch.cat([r for _, r in outputs]), full_ret, atol=1e-5)
+    # Each rank's own statistics would give other advantages: the reducer is what matters.
+    alone = call(shards_of(rewards, mask, group_index, values)[0], None)[0]
+    assert not torch.allclose(alone, outputs[0][0], atol=1e-3)
 
 
 # ------------------------------------------------------------------------------ CPGD

@@ -19,7 +19,7 @@ from dagrl.algorithms.kl import kl_penalty
 from dagrl.algorithms.loss_agg import agg_loss
 from dagrl.algorithms.policy_loss import POLICY_LOSSES, PolicyLossParams, pinned_agg_mode
 from dagrl.algorithms.rollout_correction import RolloutCorrectionParams
-from dagrl.config.schema import ActorConfig, AlgorithmConfig
+from dagrl.config.schema import ActorConfig, AlgorithmConfig, RolloutCorrectionConfig
 from dagrl.data.batch import Batch
 from dagrl.engines.forward import batch_logprob_stats, response_logprobs
 from dagrl.engines.lora import is_lora, lora_scalings, merged_weights
@@ -133,7 +133,7 @@ def policy_loss_params(algo: AlgorithmConfig) -> PolicyLossParams:
         dro_beta=algo.dro_beta, rollout_correction=rollout_correction_params(rc))
 
 
-def rollout_correction_params(rc) -> RolloutCorrectionParams:
+def rollout_correction_params(rc: RolloutCorrectionConfig) -> RolloutCorrectionParams:
     """`algorithm.rollout_correction` as the algorithms' parameters (thresholds as strings)."""
     return RolloutCorrectionParams(
         rollout_is=rc.rollout_is, rollout_is_threshold=str(rc.rollout_is_threshold),
