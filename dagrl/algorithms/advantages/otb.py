@@ -95,10 +95,12 @@ def compute_optimal_token_baseline_advantages(x: AdvantageInputs) -> tuple[Tenso
 @ADVANTAGE_ESTIMATORS.register("tir_optimal_token_baseline")
 @torch.no_grad()
 def compute_tir_optimal_token_baseline_advantages(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
-    """Optimal token baseline for tool-integrated (multi-turn) responses (Li et al. 2026): as
-    ``optimal_token_baseline``, but each trajectory's response tokens are first packed left
-    (the observation tokens of the gaps removed), so B_g,k is taken over the k-th *response
-    token* of each trajectory rather than the k-th column:
+    """Optimal token baseline for tool-integrated (multi-turn) responses (Li et al. 2026): one
+    baseline per group and response-token index, the observation tokens of the gaps removed.
+
+    As ``optimal_token_baseline``, but each trajectory's response tokens are first packed left,
+    so B_g,k is taken over the k-th *response token* of each trajectory rather than the k-th
+    column:
 
     B_g,k = Σ_{i∈g} G_i,(k)·W_i,(k) / (Σ_{i∈g} W_i,(k) + ε)     (k) = i's k-th response token
 

@@ -28,7 +28,7 @@ def reinforce_policy_loss(
     params: PolicyLossParams,
     rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """REINFORCE (Williams 1992) with optional rollout importance weights:
+    """REINFORCE (Williams 1992) with optional rollout importance weights.
 
     l_t = −ρ_t · A_t · log π(y_t)          ∇l = −ρ·A·∇log π
 
