@@ -282,7 +282,7 @@ def verl_loss(loss: str, agg: str, opts: dict, batch) -> tuple[float, torch.Tens
         value, _ = fn(old, logprobs, batch["advantages"], mask, loss_agg_mode=agg,
                       config=config, rollout_is_weights=weights)
     (grad,) = torch.autograd.grad(value, logprobs)
-    return float(value), grad
+    return float(value.detach()), grad
 
 
 # ---------------------------------------------------------------- KL, value loss, agg
