@@ -51,6 +51,9 @@ def plan_main(argv: Sequence[str]) -> int:
         return 2
     render = {"text": lambda *a: format_plan(*a) + "\n", "dot": to_dot, "svg": to_svg}[ns.format]
     text = render(graph, order, plans)
+    if ns.format == "text":
+        from dagrl.algorithms.catalog import describe_algorithm
+        text = "\n".join(describe_algorithm(cfg.algorithm)) + "\n" + text
     if ns.memory:
         text += "\n" + _memory_estimate(cfg, plans) + "\n"
     if ns.out:

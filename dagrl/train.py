@@ -42,10 +42,24 @@ def load_cli_config(args: Sequence[str]) -> Config:
 def check_registered_names(cfg: Config) -> None:
     """Names the config looks up in a registry above the config layer, checked at load so a
     typo fails in a second, not after the model has loaded."""
+    from dagrl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
+    from dagrl.algorithms.rollout_correction import rs_bounds, rs_options
     from dagrl.rewards.scorers import SCORERS
 
     if cfg.reward.scorer and cfg.reward.scorer not in SCORERS:
         raise ConfigError(f"reward.scorer: {SCORERS.unknown_message(cfg.reward.scorer)}")
+    algo = cfg.algorithm
+    for key, registry in (("adv_estimator", ADVANTAGE_ESTIMATORS), ("policy_loss", POLICY_LOSSES),
+                          ("kl_loss_type", KL_ESTIMATORS), ("kl_reward_type", KL_ESTIMATORS)):
+        name = getattr(algo, key)
+        if name not in registry:
+            raise ConfigError(f"algorithm.{key}: {registry.unknown_message(name)}")
+    rc = algo.rollout_correction
+    if rc.rollout_rs:
+        try:
+            rs_bounds(rs_options(rc.rollout_rs), rc.rollout_rs_threshold)
+        except ValueError as err:
+            raise ConfigError(f"algorithm.rollout_correction.rollout_rs: {err}") from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

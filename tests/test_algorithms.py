@@ -232,7 +232,7 @@ def test_vanilla_policy_loss_branches():
     old = torch.tensor([[-1.0, -2.0, -0.5, -3.0, -1.5, -1.0]])
     logp = (old + torch.tensor([ratios]).log()).requires_grad_(True)
     adv = torch.tensor([advs])
-    fn = POLICY_LOSSES.get("ppo")
+    fn = POLICY_LOSSES.get("vanilla")
     loss, stats = fn(logp, old, adv, mask, PolicyLossParams(**CLIP))
 
     # 0 unclipped: -1·1.1; 1 clipped high: -1·1.28; 2 clipped low: max(0.5, 0.8) = 0.8;
@@ -278,22 +278,29 @@ LOSS = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
 MASK = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
 
 
+# A third row with no valid token: the seq-mean modes divide by the 2 rows that have one.
+LOSS3 = torch.cat([LOSS, torch.tensor([[9.0, 9.0, 9.0]])])
+MASK3 = torch.cat([MASK, torch.zeros(1, 3)])
+
+
 @pytest.mark.parametrize(
     "mode, expected, denom",
     [
         ("token-mean", 7 / 3, 3.0),
+        ("token-sum", 7.0, 0.0),
         ("seq-mean-token-sum", (3 + 4) / 2, 2.0),
         ("seq-mean-token-mean", (3 / 2 + 4 / 1) / 2, 2.0),
         ("seq-mean-token-sum-norm", (3 + 4) / (2 * 3), 2.0),
     ],
 )
 def test_agg_loss_hand_values(mode, expected, denom):
-    assert agg_loss(LOSS, MASK, mode).item() == pytest.approx(expected)
-    assert agg_denominator(MASK, mode) == denom
-    # An explicit denominator replaces the local one.
-    assert agg_loss(LOSS, MASK, mode, denom=4.0).item() == pytest.approx(expected * denom / 4)
-    assert agg_loss(LOSS, MASK, mode, denom=torch.tensor(4.0)).item() == pytest.approx(
-        expected * denom / 4
+    assert agg_loss(LOSS3, MASK3, mode).item() == pytest.approx(expected)
+    assert agg_denominator(MASK3, mode) == denom
+    # An explicit denominator replaces the local one (token-sum's D of 0 is floored to 1).
+    d = max(denom, 1.0)
+    assert agg_loss(LOSS3, MASK3, mode, denom=4.0).item() == pytest.approx(expected * d / 4)
+    assert agg_loss(LOSS3, MASK3, mode, denom=torch.tensor(4.0)).item() == pytest.approx(
+        expected * d / 4
     )
 
 
@@ -301,15 +308,17 @@ def test_agg_loss_max_len_and_empty_mask():
     assert agg_loss(LOSS, MASK, "seq-mean-token-sum-norm", max_len=7).item() == pytest.approx(
         7 / 14
     )
-    assert agg_loss(LOSS, torch.zeros_like(MASK), "token-mean").item() == 0.0
+    for mode in LOSS_AGG_MODES:
+        assert agg_loss(LOSS, torch.zeros_like(MASK), mode).item() == 0.0
     assert set(LOSS_AGG_MODES) == {
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+        "token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+        "seq-mean-token-sum-norm"
     }
 
 
 def test_agg_loss_errors():
     with pytest.raises(ValueError, match="token-mean"):
-        agg_loss(LOSS, MASK, "token-sum")
+        agg_loss(LOSS, MASK, "token-max")
     with pytest.raises(ValueError, match="seq-mean-token-sum-norm"):
         agg_denominator(MASK, "mean")
     with pytest.raises(ValueError, match="mask"):

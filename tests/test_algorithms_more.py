@@ -241,8 +241,6 @@ def test_gae_matches_definition_and_whitens_advantages_only():
     raw = gae_by_definition(rewards, values, mask, 0.9, 0.8)
     assert torch.allclose(ret, (raw + values) * mask, atol=1e-5)
     assert torch.allclose(adv, masked_whiten(raw, mask), atol=1e-5)
-    with pytest.raises(ValueError, match="right-padded"):
-        ADVANTAGE_ESTIMATORS.get("gae")(AdvantageInputs(rewards, mask.flip(-1), values=values))
     with pytest.raises(ValueError, match="values"):
         ADVANTAGE_ESTIMATORS.get("gae")(AdvantageInputs(rewards, mask, values=values[:, :2]))
 
@@ -259,9 +257,12 @@ def test_gae_lambda_gamma_one_returns_are_reward_to_go():
             assert ret[i, t].item() == pytest.approx(to_go, abs=1e-5)
 
 
-@pytest.mark.parametrize("name", ["reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae"])
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "reinforce_plus_plus_baseline", "gae",
+                                  "gdpo", "gpg"])
 def test_whitening_estimators_three_ranks_equal_single_process(name):
     rewards, mask, values = random_batch(seed=6, B=12)
+    # Zero scores on the first two ranks only (GPG's α counts the nonzero ones globally).
+    rewards[[0, 1, 5]] = 0.0
     group_index = torch.arange(12) // 4  # 3 prompts × 4 samples, one prompt per rank
     fn = ADVANTAGE_ESTIMATORS.get(name)
 
@@ -273,6 +274,9 @@ def test_whitening_estimators_three_ranks_equal_single_process(name):
     outputs = run_ranks(call, shards_of(rewards, mask, group_index, values))
     assert torch.allclose(torch.cat([a for a, _ in outputs]), full_adv, atol=1e-5)
     assert torch.allclose(torch.cat([r for _, r in outputs]), full_ret, atol=1e-5)
+    # Each rank's own statistics would give other advantages: the reducer is what matters.
+    alone = call(shards_of(rewards, mask, group_index, values)[0], None)[0]
+    assert not torch.allclose(alone, outputs[0][0], atol=1e-3)
 
 
 # ------------------------------------------------------------------------------ CPGD
@@ -299,7 +303,10 @@ def test_cpgd_advantage_hand_values(norm_by_std, expected):
 
 NEEDS = {"grpo": "group_index", "rloo": "group_index", "cpgd": "group_index",
          "reinforce_plus_plus_baseline": "group_index", "remax": "baseline_scores",
-         "gae": "values"}
+         "gae": "values", "grpo_vectorized": "group_index", "rloo_vectorized": "group_index",
+         "opo": "group_index", "gpg": "group_index", "grpo_passk": "group_index",
+         "gdpo": "group_index", "optimal_token_baseline": "group_index",
+         "tir_optimal_token_baseline": "group_index"}
 
 
 @pytest.mark.parametrize("name", ADVANTAGE_ESTIMATORS.names())
@@ -434,6 +441,17 @@ def test_clipped_value_loss_hand_values():
     # so the unclipped ½·0.36 is kept; 3: padding.
     assert torch.allclose(loss, torch.tensor([[0.125, 0.245, 0.18, 0.0]]), atol=1e-6)
     assert torch.equal(stats["vf_clip_frac"], torch.tensor([[0.0, 1, 0, 0]]))
+    # v_clip is clamp(V, V_old − c, V_old + c): a V inside the band is its own v_clip, so no
+    # rounding of V_old + (V − V_old) can make an unclipped value count as clipped.
+    # (float32 values found by search where V_old + clamp(V − V_old) != V and the rounded
+    # v_clip lands further from R.)
+    v_in = torch.tensor([[0.0026754653081297874, 0.03510507196187973, -0.07088997215032578]])
+    v_old = torch.tensor([[0.3206188678741455, 0.26261842250823975, 0.23244187235832214]])
+    ret = torch.tensor([[-1.3026106357574463, -0.8414995670318604, 0.1523282378911972]])
+    assert bool(((v_in - v_old).abs() < 0.5).all())
+    assert bool((v_old + (v_in - v_old) != v_in).all())
+    _, stats_in = clipped_value_loss(v_in, v_old, ret, torch.ones(1, 3), cliprange_value=0.5)
+    assert torch.equal(stats_in["vf_clip_frac"], torch.zeros(1, 3))
     loss.sum().backward()
     # d½(v − R)²/dv = v − R where the unclipped term wins; 0 where the clipped term is constant.
     assert torch.allclose(values.grad, torch.tensor([[-0.5, 0.0, -0.6, 0.0]]), atol=1e-6)

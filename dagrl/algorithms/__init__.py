@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dagrl.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
+    OLD_POLICY_ESTIMATORS,
     AdvantageInputs,
     compute_cpgd_advantages,
     compute_gae_advantages,
@@ -21,15 +22,17 @@ from dagrl.algorithms.kl_control import (
     FixedKLController,
     apply_kl_penalty,
 )
-from dagrl.algorithms.loss_agg import LOSS_AGG_MODES, agg_denominator, agg_loss
+from dagrl.algorithms.loss_agg import LOSS_AGG, LOSS_AGG_MODES, agg_denominator, agg_loss
 from dagrl.algorithms.policy_loss import (
     CPGD_DRIFT_CLIP,
     POLICY_LOSSES,
     PolicyLossParams,
     cpgd_policy_loss,
     gspo_policy_loss,
+    pinned_agg_mode,
     vanilla_policy_loss,
 )
+from dagrl.algorithms.rollout_correction import RolloutCorrectionParams, rollout_correction
 from dagrl.algorithms.shaping import groups_with_variance, overlong_penalty
 from dagrl.algorithms.utils import (
     Reducer,
@@ -47,10 +50,13 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "CPGD_DRIFT_CLIP",
     "KL_ESTIMATORS",
+    "LOSS_AGG",
     "LOSS_AGG_MODES",
+    "OLD_POLICY_ESTIMATORS",
     "POLICY_LOSSES",
     "AdvantageInputs",
     "PolicyLossParams",
+    "RolloutCorrectionParams",
     "AdaptiveKLController",
     "FixedKLController",
     "Reducer",
@@ -82,5 +88,7 @@ __all__ = [
     "masked_var",
     "masked_whiten",
     "overlong_penalty",
+    "pinned_agg_mode",
+    "rollout_correction",
     "vanilla_policy_loss",
 ]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from dagrl.algorithms.kl import kl_penalty
+from dagrl.algorithms.utils import masked_mean
 
 
 class FixedKLController:
@@ -89,3 +91,16 @@ def apply_kl_penalty(
     kl = kl_penalty(logprobs, ref_logprobs, kind) * mask  # [B, T]
     rewards = (token_level_scores - coef * kl) * mask
     return rewards, kl
+
+
+def controller_kl_sums(kl: Tensor, response_mask: Tensor) -> Tensor:
+    """The KL the adaptive controller steps on, as local sums to add over the workers:
+    [2] = (Σ_i KL̄_i, B), KL̄_i = Σ_t KL_it·m_it / Σ_t m_it (0 for an empty row).
+
+    The controller's KL is Σ_i KL̄_i / B, the batch mean of per-sequence means (verl's
+    ``apply_kl_penalty``), not the token mean Σ KL·m / Σ m: every sequence counts once, however
+    long, so a few long responses with a large KL cannot move β for the whole batch.
+    """
+    per_sequence = masked_mean(kl, response_mask, dim=-1)  # [B] = KL̄_i
+    return torch.stack([per_sequence.sum().to(torch.float64),
+                        torch.tensor(float(kl.shape[0]), dtype=torch.float64)])

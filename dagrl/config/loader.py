@@ -56,6 +56,14 @@ class _Loader(yaml.SafeLoader):
 
 _Loader.add_implicit_resolver("tag:yaml.org,2002:float", _SCI_FLOAT, list("-+.0123456789"))
 
+# YAML 1.1 reads "_" inside a number as a digit separator: "0.5_2" would be the float 0.52 and
+# "2_10" the int 210. dagrl's "L_U" bounds (algorithm.rollout_correction thresholds, verl's
+# syntax) must stay the strings they are, so a number-like scalar with an underscore is a
+# string (YAML 1.2 has no digit separator either). This resolver runs before the number ones.
+_UNDERSCORED = re.compile(r"^[-+]?[0-9.][0-9.]*_[0-9._]*$")
+for _first in "-+.0123456789":
+    _Loader.yaml_implicit_resolvers[_first].insert(0, ("tag:yaml.org,2002:str", _UNDERSCORED))
+
 
 def _yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=_Loader)  # noqa: S506 - _Loader is a SafeLoader

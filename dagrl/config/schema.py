@@ -11,6 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dagrl.config.algorithm import (  # noqa: F401 (re-exported: the config's sections)
+    OLD_POLICY_ESTIMATORS,
+    AlgorithmConfig,
+    RolloutCorrectionConfig,
+)
 from dagrl.config.loader import ConfigError
 from dagrl.device import DeviceChoice
 
@@ -310,51 +315,6 @@ class RewardConfig:
                "scorer and custom_fn are both set; keep one (each scores every sample)")
         # The scorer's name is checked against the registry by dagrl.train before any work
         # starts (the registry lives in the rewards layer, above config).
-
-
-@dataclass
-class AlgorithmConfig:
-    name: str = "grpo"              # selects the built-in DAG (dagrl plan shows it)
-    adv_estimator: str = "grpo"
-    norm_adv_by_std: bool = True    # GRPO: divide by the group std; False is Dr.GRPO's choice
-    policy_loss: str = "vanilla"
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.2
-    clip_ratio_c: float = 3.0       # dual clip bound for negative advantages
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean",
-                           "seq-mean-token-sum-norm"] = "token-mean"
-    entropy_coeff: float = 0.0
-    # CPGD's policy-drift penalty weight (used by policy_loss=cpgd).
-    policy_drift_coef: float = 0.01
-    # KL to the reference policy as a loss term (GRPO's choice). 0 disables the term, and the
-    # reference model is then not needed by the update.
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    # KL to the reference as a per-token reward penalty r_t -= beta * KL_t (PPO/RLOO/REINFORCE++).
-    kl_in_reward: bool = False
-    kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
-    kl_coef: float = 0.001          # beta (the initial beta for the adaptive controller)
-    kl_reward_type: str = "k1"
-    kl_target: float = 0.1          # adaptive controller: the KL it steers towards
-    kl_horizon: int = 10000         # adaptive controller: samples over which beta adapts
-    # GAE (PPO) and discounted returns (REINFORCE++).
-    gamma: float = 1.0
-    lam: float = 1.0
-    # DAPO dynamic sampling (the `filter` node): at most this many generation rounds per step to
-    # fill the batch with groups whose rewards vary; then stop with an error, or train on the
-    # partial batch (logged).
-    filter_max_rounds: int = 4
-    filter_on_cap: Literal["error", "partial"] = "error"
-
-    def __post_init__(self) -> None:
-        _check(self.clip_ratio_low >= 0 and self.clip_ratio_high >= 0,
-               "clip_ratio_low and clip_ratio_high must be >= 0")
-        _check(self.clip_ratio_c > 1, "clip_ratio_c must be > 1")
-        _check(self.kl_loss_coef >= 0, "kl_loss_coef must be >= 0")
-        _check(self.kl_coef >= 0, "kl_coef must be >= 0")
-        _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "gamma and lam must be in [0, 1]")
-        _check(self.kl_target > 0 and self.kl_horizon > 0, "kl_target and kl_horizon must be > 0")
-        _check(self.filter_max_rounds > 0, "filter_max_rounds must be > 0")
 
 
 @dataclass

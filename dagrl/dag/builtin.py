@@ -35,9 +35,16 @@ def uses_old_logprob(cfg: Config) -> bool:
     """The old_logprob pass is needed unless pi_old = pi (see actor.skip_on_policy_old_logprob);
     a KL penalty in the reward reads pi_old before the update, so it always needs the pass. With
     vLLM, whose numerics differ from the trainer's, and with servers, whose weights are frozen,
-    pi_old is recomputed by the trainer."""
+    pi_old is recomputed by the trainer. Some algorithms read pi_old themselves (the optimal
+    token baseline, the rollout correction: `AlgorithmConfig.needs_old_logprob`); in verl's
+    bypass mode (policy_loss=bypass_mode) pi_old is the rollout policy and the pass is left out."""
+    algo = cfg.algorithm
+    if algo.kl_in_reward or algo.needs_old_logprob:
+        return True
+    if algo.bypass_mode:   # the loss takes the rollout's log-probs as pi_old
+        return False
     return (not cfg.actor.skip_on_policy_old_logprob or not one_update_per_batch(cfg)
-            or cfg.algorithm.kl_in_reward or cfg.rollout.backend in ("vllm", "server"))
+            or cfg.rollout.backend in ("vllm", "server"))
 
 
 def policy_graph(name: str, cfg: Config, *, greedy_baseline: bool = False,

@@ -3,6 +3,8 @@ with the clipped value loss ½·max((V − R)², (V_clip − R)²) against the G
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.distributed as dist
 from transformers import AutoModelForTokenClassification
@@ -53,14 +55,14 @@ class CriticEngine(TrainEngine):
             return batch_values(self.model, batch, micro_batch_size=self.micro_batch_size,
                                 max_tokens=self.max_tokens, pack=self.pack)
 
-    def micro_loss(self, micro: Batch, denom: float, metrics: StepMetrics):
+    def micro_loss(self, micro: Batch, denoms: Mapping[str, float], metrics: StepMetrics):
         mask = micro["response_mask"]
         with self.autocast():
             values = response_values(self.model, micro["prompt_ids"], micro["prompt_mask"],
                                      micro["responses"], mask, pack=self.pack)
         loss_mat, stats = clipped_value_loss(values, micro["values"], micro["returns"], mask,
                                              cliprange_value=self.cfg.cliprange_value)
-        loss = agg_loss(loss_mat, mask, self.loss_agg_mode, denom=denom)
+        loss = agg_loss(loss_mat, mask, self.loss_agg_mode, denom=denoms[self.loss_agg_mode])
         token_mean(metrics, "critic/values", values, mask)
         for name, value in stats.items():
             token_mean(metrics, f"critic/{name}", value, mask)

@@ -22,8 +22,9 @@ DEFAULT_CHUNK_TOKENS = 1024
 
 @dataclass
 class ResponseLogprobs:
-    logprobs: torch.Tensor                 # [B, R]
-    entropy: torch.Tensor | None = None    # [B, R]
+    logprobs: torch.Tensor                       # [B, R]
+    entropy: torch.Tensor | None = None          # [B, R]
+    sum_pi_squared: torch.Tensor | None = None   # [B, R] = Σ_v softmax(z/T)_v²
 
 
 def _trimmed_inputs(prompt_ids, prompt_mask, responses, response_mask):
@@ -75,18 +76,24 @@ def _response_outputs(model: torch.nn.Module, prompt_ids, prompt_mask, responses
 
 
 def _token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    targets: torch.Tensor, temperature: float, with_entropy: bool) -> torch.Tensor:
-    """One chunk of the head: hidden [n, H], targets [n] -> [n, 2] = (log softmax(z/T)[y],
-    entropy of softmax(z/T)) with z = W h + b. Only this chunk's [n, V] logits are alive."""
+                    targets: torch.Tensor, temperature: float, with_entropy: bool,
+                    with_sum_pi_squared: bool = False) -> torch.Tensor:
+    """One chunk of the head: hidden [n, H], targets [n] -> [n, 3] = (log softmax(z/T)[y],
+    entropy of softmax(z/T), Σ_v softmax(z/T)_v²) with z = W h + b; the last two are 0 unless
+    asked for. Only this chunk's [n, V] logits are alive."""
     z = F.linear(hidden, weight, bias).float() / temperature                # [n, V]
     logprobs = logprobs_from_logits(z, targets)
     entropy = entropy_from_logits(z) if with_entropy else torch.zeros_like(logprobs)
-    return torch.stack([logprobs, entropy], dim=-1)
+    # Σπ² feeds the optimal token baseline's ‖∇log π‖² proxy 1 − 2π_y + Σπ².
+    sum_sq = (torch.softmax(z, dim=-1).square().sum(-1) if with_sum_pi_squared
+              else torch.zeros_like(logprobs))
+    return torch.stack([logprobs, entropy, sum_sq], dim=-1)
 
 
 def _chunked_head(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor,
-                  temperature: float, with_entropy: bool, chunk_tokens: int) -> torch.Tensor:
-    """`_token_logprobs` over [N, H] in chunks of `chunk_tokens` rows -> [N, 2]. With autograd
+                  temperature: float, with_entropy: bool, chunk_tokens: int,
+                  with_sum_pi_squared: bool = False) -> torch.Tensor:
+    """`_token_logprobs` over [N, H] in chunks of `chunk_tokens` rows -> [N, 3]. With autograd
     on, each chunk is recomputed in backward (activation checkpointing of the head alone), so
     neither the [N, V] logits nor their gradient is ever whole: one extra head matmul per chunk
     buys a [N, V] -> [chunk, V] peak."""
@@ -96,7 +103,7 @@ def _chunked_head(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Te
     parts = []
     for i in range(0, max(n, 1), step):   # an empty batch still yields a (0-row) graph node
         args = (hidden[i:i + step], head.weight, head.bias, targets[i:i + step], temperature,
-                with_entropy)
+                with_entropy, with_sum_pi_squared)
         parts.append(checkpoint(_token_logprobs, *args, use_reentrant=False) if grad
                      and n > step else _token_logprobs(*args))
     return torch.cat(parts)
@@ -118,7 +125,8 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
                       responses: torch.Tensor, response_mask: torch.Tensor, *,
                       temperature: float = 1.0, with_entropy: bool = False,
                       chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                      pack: bool = False) -> ResponseLogprobs:
+                      pack: bool = False,
+                      with_sum_pi_squared: bool = False) -> ResponseLogprobs:
     """log softmax(z_t / T)[y_t] for every response token y_t: [B, R] (0 where masked).
 
     prompt_ids/prompt_mask: [B, P] left-padded; responses/response_mask: [B, R] right-padded.
@@ -152,13 +160,14 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
 
     def head_forward(hidden: torch.Tensor) -> torch.Tensor:
         return _chunked_head(pick(hidden), head, targets, temperature, with_entropy,
-                             chunk_tokens)
+                             chunk_tokens, with_sum_pi_squared)
 
     with _head_forward(head, head_forward):
-        per_token = model(input_ids=input_ids, use_cache=False, **kwargs).logits  # [N, 2]
-    out = per_token.new_zeros(batch, resp_len, 2)
-    out[used] = per_token                                                     # [B, R, 2]
-    return ResponseLogprobs(out[..., 0], out[..., 1] if with_entropy else None)
+        per_token = model(input_ids=input_ids, use_cache=False, **kwargs).logits  # [N, 3]
+    out = per_token.new_zeros(batch, resp_len, 3)
+    out[used] = per_token                                                     # [B, R, 3]
+    return ResponseLogprobs(out[..., 0], out[..., 1] if with_entropy else None,
+                            out[..., 2] if with_sum_pi_squared else None)
 
 
 def response_values(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -178,13 +187,31 @@ def batch_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: in
                    max_tokens: int = 0, pack: bool = False) -> torch.Tensor:
     """Forward-only log-probs for a whole batch, in micro-batches (engines/micro_batches.py):
     -> [N, R] in batch order."""
+    return batch_logprob_stats(model, batch, micro_batch_size=micro_batch_size,
+                               temperature=temperature, chunk_tokens=chunk_tokens,
+                               max_tokens=max_tokens, pack=pack)[0]
+
+
+@torch.no_grad()
+def batch_logprob_stats(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int,
+                        temperature: float, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                        max_tokens: int = 0, pack: bool = False,
+                        with_sum_pi_squared: bool = False
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`batch_logprobs`, and with `with_sum_pi_squared` also Σ_v π(v | s_t)² per response token:
+    -> ([N, R], [N, R] or None) in batch order."""
     out = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
+    sum_sq = torch.zeros_like(out) if with_sum_pi_squared else None
     for idx, mb in micro_batches(batch, micro_batch_size, max_tokens):
         if len(mb):
-            out[idx.to(out.device)] = response_logprobs(
+            res = response_logprobs(
                 model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
-                temperature=temperature, chunk_tokens=chunk_tokens, pack=pack).logprobs
-    return out
+                temperature=temperature, chunk_tokens=chunk_tokens, pack=pack,
+                with_sum_pi_squared=with_sum_pi_squared)
+            out[idx.to(out.device)] = res.logprobs
+            if sum_sq is not None:
+                sum_sq[idx.to(out.device)] = res.sum_pi_squared
+    return out, sum_sq
 
 
 @torch.no_grad()

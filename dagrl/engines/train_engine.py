@@ -2,7 +2,8 @@
 the epochs × mini-batches × micro-batches update loop.
 
 The loss of every micro-batch is divided by the *global* normaliser of its mini-batch (tokens
-or sequences, summed over all micro-batches and all data-parallel ranks), so the accumulated
+or sequences, summed over all micro-batches and all data-parallel ranks; one per aggregation
+mode the loss uses, since a policy loss may pin its own mode), so the accumulated
 gradient is the exact gradient of the whole mini-batch's loss, however the batch is split over
 micro-batches and workers. FSDP averages gradients over the ranks, so each rank's loss is
 multiplied by the number of ranks before backward.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 
 import torch
@@ -35,8 +37,9 @@ def all_reduce_sum(value: float, group: dist.ProcessGroup | None, device) -> flo
 
 
 class TrainEngine(ABC):
-    """Subclasses implement `micro_loss(micro, denom, metrics) -> (loss, reported_loss)` and
-    may check a batch before its update in `check_batch`."""
+    """Subclasses implement `micro_loss(micro, denoms, metrics) -> (loss, reported_loss)` and
+    may check a batch before its update in `check_batch`. `agg_modes` lists the aggregation
+    modes whose global denominators `micro_loss` receives (`denoms[mode]`)."""
 
     name = "train"          # metric prefix
     loss_metric = "loss"    # what micro_loss reports (the policy or value loss, without extras)
@@ -55,6 +58,7 @@ class TrainEngine(ABC):
         self.model = model
         self.grad_clip = optim.grad_clip
         self.loss_agg_mode = loss_agg_mode
+        self.agg_modes: tuple[str, ...] = (loss_agg_mode,)
         self.mini_batch_samples, self.micro_batch_size = mini_batch_samples, micro_batch_size
         self.max_tokens, self.pack = max_tokens_per_micro_batch, pack_sequences
         self.epochs = epochs
@@ -84,10 +88,10 @@ class TrainEngine(ABC):
         return autocast(self.mixed_precision, self.device)
 
     @abstractmethod
-    def micro_loss(self, micro: Batch, denom: float,
+    def micro_loss(self, micro: Batch, denoms: Mapping[str, float],
                    metrics: StepMetrics) -> tuple[torch.Tensor, torch.Tensor]:
-        """The loss of one micro-batch (already divided by the global `denom`), and the part
-        of it to report as `<name>/<loss_metric>`."""
+        """The loss of one micro-batch (already divided by the global denominators `denoms`,
+        one per mode of `agg_modes`), and the part of it to report as `<name>/<loss_metric>`."""
 
     def check_batch(self, batch: Batch) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Raise if `batch` lacks what this engine's update needs (default: nothing to check)."""
@@ -98,12 +102,12 @@ class TrainEngine(ABC):
         self.model.train()
         for _ in range(self.epochs):
             for mini in batch.split(self.mini_batch_samples):
-                denom = all_reduce_sum(agg_denominator(mini["response_mask"],
-                                                       self.loss_agg_mode),
-                                       self.dp_group, self.device)
+                denoms = {mode: all_reduce_sum(agg_denominator(mini["response_mask"], mode),
+                                               self.dp_group, self.device)
+                          for mode in self.agg_modes}
                 reported = 0.0
                 for _, micro in micro_batches(mini, self.micro_batch_size, self.max_tokens):
-                    loss, shown = self.micro_loss(micro, denom, metrics)
+                    loss, shown = self.micro_loss(micro, denoms, metrics)
                     (loss * self.dp_size).backward()
                     reported += float(shown.detach())
                 self._optimizer_step(reported, metrics)

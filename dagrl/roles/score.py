@@ -2,10 +2,13 @@
 functions), add DAPO's overlong shaping when configured, and place the outcome reward on the
 last response token.
 
-Fields added for N samples, response width R: scores [N], token_level_scores [N, R].
+Fields added for N samples, response width R: scores [N], token_level_scores [N, R], and
+`score_component_<key>` [N] for each key of algorithm.gdpo_reward_keys.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -50,4 +53,15 @@ def reward(ctx: NodeContext, batch: Batch) -> Batch:
         v = torch.tensor(values, dtype=torch.float64)
         ok = ~torch.isnan(v)
         ctx.metrics.add_mean(f"reward/{name}", float(v[ok].sum()), float(ok.sum()))
+    for key in ctx.config.algorithm.gdpo_reward_keys:   # GDPO's reward components
+        values = result.extra.get(key)
+        if values is None or any(math.isnan(v) for v in values):
+            raise KeyError(f"algorithm.gdpo_reward_keys names {key!r}, but the scorer did not "
+                           f"return it for every sample (its keys: {sorted(result.extra)})")
+        batch[score_component_field(key)] = torch.tensor(values, dtype=torch.float32)
     return batch
+
+
+def score_component_field(key: str) -> str:
+    """The batch field holding the reward component `key` of every sample ([N])."""
+    return f"score_component_{key}"
