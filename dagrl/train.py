@@ -48,6 +48,18 @@ def check_registered_names(cfg: Config) -> None:
 
     if cfg.reward.scorer and cfg.reward.scorer not in SCORERS:
         raise ConfigError(f"reward.scorer: {SCORERS.unknown_message(cfg.reward.scorer)}")
+    mt = cfg.rollout.multi_turn
+    if mt.enable:   # a user's `file.py:name` is loaded (and checked) when the worker starts
+        from dagrl.envs import ENVIRONMENTS
+        from dagrl.tools import TOOLS
+
+        for name in mt.tools:
+            if ":" not in name and name not in TOOLS:
+                raise ConfigError(f"rollout.multi_turn.tools: {TOOLS.unknown_message(name)}")
+        env = mt.environment
+        if env and ":" not in env and env not in ENVIRONMENTS:
+            raise ConfigError(f"rollout.multi_turn.environment: "
+                              f"{ENVIRONMENTS.unknown_message(env)}")
     algo = cfg.algorithm
     for key, registry in (("adv_estimator", ADVANTAGE_ESTIMATORS), ("policy_loss", POLICY_LOSSES),
                           ("kl_loss_type", KL_ESTIMATORS), ("kl_reward_type", KL_ESTIMATORS)):

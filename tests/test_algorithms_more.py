@@ -527,3 +527,66 @@ def test_groups_with_variance():
     assert got.tolist() == [False, True, False, False, True, False, False]
     with pytest.raises(ValueError, match="group_index"):
         groups_with_variance(scores, groups[:3])
+
+
+# ------------------------------------------------------- multi-turn: masks with gaps
+#
+# One multi-turn response: the policy's tokens at columns 0, 1 and 4, a tool's answer at
+# columns 2-3 (masked: read by the policy, not trained on), padding at column 5. The values 9
+# and 7 sit where nothing may read them. Observation tokens carry no reward and take no
+# discount or TD step: the policy's tokens 0, 1, 4 are three consecutive steps.
+GAP_MASK = torch.tensor([[1.0, 1, 0, 0, 1, 0]])
+GAP_REWARDS = torch.tensor([[0.0, 0.5, 9.0, 9.0, 1.0, 9.0]])
+GAP_VALUES = torch.tensor([[0.2, 0.4, 7.0, 7.0, 0.6, 7.0]])
+
+
+def test_reinforce_plus_plus_on_a_gapped_mask_equals_the_hand_computed_returns():
+    # γ = 0.5 over the steps 0 -> 1 -> 4:
+    #   G4 = 1;  G1 = 0.5 + 0.5·1 = 1.0;  G0 = 0 + 0.5·1.0 = 0.5
+    fn = ADVANTAGE_ESTIMATORS.get("reinforce_plus_plus")
+    adv, ret = fn(AdvantageInputs(GAP_REWARDS, GAP_MASK, gamma=0.5))
+    assert ret.tolist() == [[0.5, 1.0, 0.0, 0.0, 1.0, 0.0]]
+    assert torch.allclose(adv[GAP_MASK.bool()], torch.tensor(whiten_list([0.5, 1.0, 1.0])),
+                          atol=1e-6)
+    assert adv[0, 2:4].abs().sum() == 0 and adv[0, 5] == 0
+
+
+def test_gae_on_a_gapped_mask_equals_the_hand_computed_advantages():
+    # γ = 0.9, λ = 0.8 (γλ = 0.72), V after the last step = 0:
+    #   δ4 = 1 + 0.9·0 − 0.6 = 0.4                      Â4 = 0.4
+    #   δ1 = 0.5 + 0.9·0.6 − 0.4 = 0.64                 Â1 = 0.64 + 0.72·0.4 = 0.928
+    #   δ0 = 0 + 0.9·0.4 − 0.2 = 0.16                   Â0 = 0.16 + 0.72·0.928 = 0.82816
+    # returns R = Â + V: 1.02816, 1.328, 1.0
+    gae = ADVANTAGE_ESTIMATORS.get("gae")
+    adv, ret = gae(AdvantageInputs(GAP_REWARDS, GAP_MASK, values=GAP_VALUES, gamma=0.9, lam=0.8))
+    assert torch.allclose(ret, torch.tensor([[1.02816, 1.328, 0, 0, 1.0, 0]]), atol=1e-6)
+    assert torch.allclose(adv[GAP_MASK.bool()],
+                          torch.tensor(whiten_list([0.82816, 0.928, 0.4])), atol=1e-6)
+    assert adv[0, 2:4].abs().sum() == 0 and adv[0, 5] == 0
+
+
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "gae", "remax", "grpo", "rloo"])
+def test_observation_tokens_change_nothing(name):
+    # The gapped response gives its policy tokens exactly what the same response without the
+    # observation columns gives (a second, contiguous row keeps the whitening statistics alike).
+    # As the reward node writes them, rewards are 0 off the policy's tokens (the sequence
+    # score of GRPO and RLOO is the row's sum).
+    packed_mask = torch.tensor([[1.0, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0]])
+    packed_rewards = torch.tensor([[0.0, 0.5, 1.0, 0, 0, 0], [0.3, 0, 0, 0.7, 0, 0]])
+    packed_values = torch.tensor([[0.2, 0.4, 0.6, 0, 0, 0], [0.1, 0.5, 0.2, 0.3, 0, 0]])
+    gapped = (torch.cat([GAP_REWARDS * GAP_MASK, packed_rewards[1:]]),
+              torch.cat([GAP_MASK, packed_mask[1:]]),
+              torch.cat([GAP_VALUES, packed_values[1:]]))
+    fn = ADVANTAGE_ESTIMATORS.get(name)
+
+    def run(rewards, mask, values):
+        return fn(AdvantageInputs(rewards, mask, group_index=torch.tensor([0, 0]), values=values,
+                                  baseline_scores=torch.tensor([0.2, 0.1]), gamma=0.9, lam=0.8))
+
+    adv_g, ret_g = run(*gapped)
+    adv_p, ret_p = run(packed_rewards, packed_mask, packed_values)
+    policy = GAP_MASK[0].bool()
+    assert torch.allclose(adv_g[0, policy], adv_p[0, :3], atol=1e-6)
+    assert torch.allclose(ret_g[0, policy], ret_p[0, :3], atol=1e-6)
+    assert torch.allclose(adv_g[1], adv_p[1], atol=1e-6)
+    assert adv_g[0, ~policy].abs().sum() == 0 and ret_g[0, ~policy].abs().sum() == 0

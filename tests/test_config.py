@@ -31,6 +31,13 @@ def test_overrides_apply_with_types():
     ("algorithm.loss_agg_mode=mean", "algorithm.loss_agg_mode"),
     ("algorithm.clip_ratio_c=0.5", "algorithm.clip_ratio_c"),
     ("rollout.top_p=0", "rollout.top_p"),
+    ("rollout.multi_turn.max_turns=0", "rollout.multi_turn.max_turns"),
+    ("rollout.multi_turn.format=json", "rollout.multi_turn.format"),
+    ("rollout.multi_turn.enable=true", "rollout.multi_turn.enable=true needs tools"),
+    ("rollout.multi_turn.sandbox.cpu_time_s=0", "rollout.multi_turn.sandbox.cpu_time_s"),
+    ("rollout.multi_turn.sandbox.memory_mb=8", "rollout.multi_turn.sandbox.memory_mb"),
+    ("reward.timeout_s=5", "timeout_s needs num_workers"),
+    ("reward.num_workers=-1", "reward.num_workers"),
 ])
 def test_bad_config_names_the_key(override, fragment):
     with pytest.raises(ConfigError) as err:
@@ -58,3 +65,18 @@ def test_cli_plan_prints_graph_and_tasks(capsys):
     assert cli_main(["plan"]) == 0
     out = capsys.readouterr().out
     assert "graph grpo" in out and "rank 0:" in out and "run actor_update [actor_update]" in out
+
+
+def test_agent_names_are_checked_at_load(capsys):
+    from dagrl.train import load_cli_config
+
+    base = ["rollout.multi_turn.enable=true"]
+    with pytest.raises(ConfigError, match="rollout.multi_turn.tools.*'calculater'.*calculator"):
+        load_cli_config([*base, "rollout.multi_turn.tools=[calculater]"])
+    with pytest.raises(ConfigError, match="rollout.multi_turn.environment.*'guess'"):
+        load_cli_config([*base, "rollout.multi_turn.environment=guess"])
+    with pytest.raises(ConfigError, match="min_new_tokens must be 0 with multi_turn"):
+        load_cli_config([*base, "rollout.multi_turn.tools=[calculator]",
+                         "rollout.min_new_tokens=1"])
+    cfg = load_cli_config([*base, "rollout.multi_turn.tools=[calculator, my.py:fn]"])
+    assert cfg.rollout.multi_turn.tools == ["calculator", "my.py:fn"]

@@ -24,6 +24,7 @@ LAYERS = [
     ["algorithms"],
     ["observe"],
     ["rewards"],
+    ["tools", "envs"],
     ["rollout"],
     ["engines"],
     ["roles"],

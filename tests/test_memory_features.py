@@ -224,3 +224,53 @@ def test_batch_logprobs_is_the_same_however_the_batch_is_cut(model_dir):
         cut = batch_logprobs(model, batch, micro_batch_size=2, temperature=1.0,
                              max_tokens=max_tokens, pack=pack)
         torch.testing.assert_close(cut, plain, atol=1e-5, rtol=1e-5)
+
+
+def _gapped(batch):
+    """A multi-turn layout of `_batch()`: in rows 0 and 4 the response columns 2-3 are tool
+    tokens (read, not trained on): loss mask with a gap, attention mask without."""
+    prompt_ids, prompt_mask, responses, attention = batch
+    loss = attention.clone()
+    loss[0, 2:4] = 0
+    loss[4, 2:4] = 0
+    return prompt_ids, prompt_mask, responses, loss, attention
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_gapped_masks_attend_to_tool_tokens_and_score_only_policy_tokens(model_dir, pack):
+    # The log-probs of a multi-turn response are those of the full sequence (tool tokens in
+    # the context) at the policy's tokens, and 0 at the tool tokens.
+    from dagrl.engines.critic import load_value_model
+    from dagrl.engines.forward import response_values
+
+    model = load_model(model_dir)
+    prompt_ids, prompt_mask, responses, loss, attention = _gapped(_batch())
+    with torch.no_grad():
+        ref, _ = _full_logits_reference(model, prompt_ids, prompt_mask, responses, attention, 1.0)
+        out = response_logprobs(model, prompt_ids, prompt_mask, responses, loss,
+                                attention_mask=attention, chunk_tokens=5, pack=pack).logprobs
+        unread = response_logprobs(model, prompt_ids, prompt_mask, responses, loss,
+                                   pack=pack).logprobs
+    torch.testing.assert_close(out, ref * loss, atol=1e-5, rtol=1e-5)
+    assert out[0, 2:4].abs().sum() == 0 and (out[0, 4:] < 0).all()
+    # Without the attention mask the tool tokens would drop out of the context.
+    assert not torch.allclose(unread[0, 4:], out[0, 4:], atol=1e-4)
+
+    critic = load_value_model(model_dir, "float32", torch.device("cpu"))
+    with torch.no_grad():
+        values = response_values(critic, prompt_ids, prompt_mask, responses, loss,
+                                 attention_mask=attention, pack=pack)
+        full = response_values(critic, prompt_ids, prompt_mask, responses, attention)
+    torch.testing.assert_close(values, full * loss, atol=1e-5, rtol=1e-5)
+
+
+def test_token_counts_include_tool_tokens():
+    from dagrl.data.buffer import sample_tokens as balance_tokens
+    from dagrl.engines.micro_batches import sample_tokens
+
+    prompt_ids, prompt_mask, responses, loss, attention = _gapped(_batch())
+    batch = _as_batch(prompt_ids, prompt_mask, responses, loss)
+    batch["response_attention_mask"] = attention
+    expected = [9 + 7, 6 + 2, 8 + 0, 4 + 4, 7 + 5, 9 + 1]
+    assert sample_tokens(batch).tolist() == expected
+    assert balance_tokens(batch).tolist() == expected

@@ -304,3 +304,92 @@ def test_manager_argument_validation(user_file):
         RewardManager(custom_fn="nowhere.py:compute_score")
     with pytest.raises(ValueError, match="ground_truths"):
         RewardManager().score(["1", "2"], ["arith", "arith"], ["1"], [None, None])
+
+
+# ------------------------------------------------- scorers in worker processes, timeouts
+
+SLOW_FILE = textwrap.dedent(
+    """
+    import asyncio
+    import os
+    import time
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "hang":
+            while True:          # a scorer that never returns
+                time.sleep(1)
+        if solution_str == "boom":
+            raise ValueError("kaboom")
+        return {"score": float(solution_str == ground_truth), "pid": os.getpid()}
+
+    async def async_score(data_source, solution_str, ground_truth, extra_info=None):
+        await asyncio.sleep(0.01)
+        if solution_str == "hang":
+            await asyncio.sleep(3600)
+        return float(solution_str == ground_truth)
+    """
+)
+
+
+@pytest.fixture
+def slow_file(tmp_path):
+    path = tmp_path / "slow_reward.py"
+    path.write_text(SLOW_FILE)
+    return path
+
+
+@pytest.mark.parametrize("fn", ["compute_score", "async_score"])
+def test_a_hanging_scorer_is_cut_off_at_its_timeout_and_counted(slow_file, fn):
+    # Generous timeout: the scorers that return take milliseconds, so only the hanging one can
+    # reach it, even on a busy machine. on_error=raise: a timeout is counted all the same.
+    manager = RewardManager(custom_fn=f"{slow_file}:{fn}", num_workers=2, timeout_s=5.0,
+                            error_score=-1.0)
+    try:
+        result = manager.score(["7", "hang", "8", "7"], ["x"] * 4, ["7"] * 4, [None] * 4,
+                               sample_ids=["a", "b", "c", "d"])
+        assert result.scores == [1.0, -1.0, 0.0, 1.0]
+        assert (result.n_timeouts, result.n_errors) == (1, 0)
+        assert "timed out for sample 1 (id 'b')" in result.first_error
+        assert "reward.timeout_s=5 s" in result.first_error
+        # The pool goes on: its killed worker was replaced.
+        again = manager.score(["7", "7"], ["x"] * 2, ["7"] * 2, [None] * 2)
+        assert again.scores == [1.0, 1.0] and again.n_timeouts == 0
+    finally:
+        manager.pool.close()
+
+
+def test_pooled_scorers_run_in_other_processes_and_keep_the_error_rules(slow_file):
+    import os
+
+    manager = RewardManager(custom_fn=f"{slow_file}:compute_score", num_workers=2)
+    try:
+        result = manager.score(["7", "8"], ["x"] * 2, ["7"] * 2, [None] * 2)
+        assert result.scores == [1.0, 0.0]
+        assert os.getpid() not in result.extra["pid"]
+        with pytest.raises(RewardError, match="sample 1.*ValueError: kaboom"):
+            manager.score(["7", "boom"], ["x"] * 2, ["7"] * 2, [None] * 2)
+        # Built-in scorers by data_source, in the pool too.
+        builtin = RewardManager(num_workers=1)
+        assert builtin.score(["19"], ["arith"], ["19"], [None]).scores == [1.0]
+        builtin.pool.close()
+    finally:
+        manager.pool.close()
+
+
+def test_async_scorers_run_in_process_too(slow_file):
+    manager = RewardManager(custom_fn=f"{slow_file}:async_score")
+    assert manager.score(["7", "8"], ["x"] * 2, ["7"] * 2, [None] * 2).scores == [1.0, 0.0]
+
+
+def test_a_timeout_needs_worker_processes():
+    with pytest.raises(ValueError, match="timeout_s needs reward.num_workers"):
+        RewardManager(timeout_s=1.0)
+
+
+def test_tool_calc_scores_the_last_number_of_the_whole_response():
+    score = SCORERS.get("tool_calc")
+    assert score("37*48+19=1795 ", "1795") == 1.0                 # the calculator's answer stands
+    assert score("37*48+19=1795 1795", "1795") == 1.0
+    assert score("37*48+19=1795 12", "1795") < 1.0                # a later number overrides it
+    assert score("no number", "1795") == 0.0
+    assert score("1785", "1795") == pytest.approx(arith_score("1785", "1795"))

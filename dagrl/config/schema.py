@@ -17,6 +17,7 @@ from dagrl.config.algorithm import (  # noqa: F401 (re-exported: the config's se
     RolloutCorrectionConfig,
 )
 from dagrl.config.loader import ConfigError
+from dagrl.config.multi_turn import MultiTurnConfig, SandboxConfig  # noqa: F401 (re-exported)
 from dagrl.device import DeviceChoice
 
 
@@ -165,6 +166,8 @@ class RolloutConfig:
     backend: Literal["auto", "native", "hf", "vllm", "server"] = "auto"
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    # Agent rollouts: tools, environments, several turns (dagrl/config/multi_turn.py).
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
     def __post_init__(self) -> None:
         _check(self.n > 0, "n must be > 0")
@@ -177,6 +180,9 @@ class RolloutConfig:
         _check(self.max_new_tokens > 0, "max_new_tokens must be > 0")
         _check(0 <= self.min_new_tokens <= self.max_new_tokens,
                "min_new_tokens must be in [0, max_new_tokens]")
+        _check(not self.multi_turn.enable or self.min_new_tokens == 0,
+               "min_new_tokens must be 0 with multi_turn.enable (a turn ends where the policy "
+               "stops it)")
 
 
 @dataclass
@@ -308,9 +314,22 @@ class RewardConfig:
     # lose up to overlong_penalty_factor, linearly in the excess. 0 disables it.
     overlong_buffer_len: int = 0
     overlong_penalty_factor: float = 1.0
+    # Processes that run the scorers (rule scorers and custom_fn, sync or async); 0: in this
+    # process, one sample after the other. A pool lets slow scorers run side by side and is
+    # what makes timeout_s possible.
+    num_workers: int = 0
+    # > 0 (needs num_workers > 0): a sample whose scorer runs longer than this is cut off,
+    # its worker process replaced, and the sample gets error_score and is counted
+    # (reward/timeouts): a hanging scorer no longer stalls the step.
+    timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
         _check(self.overlong_buffer_len >= 0, "overlong_buffer_len must be >= 0")
+        _check(self.num_workers >= 0, "num_workers must be >= 0 (0: score in this process)")
+        _check(self.timeout_s >= 0, "timeout_s must be >= 0 (0: no limit)")
+        _check(self.timeout_s == 0 or self.num_workers > 0,
+               "timeout_s needs num_workers > 0: a scorer running in the trainer's own process "
+               "cannot be cut off")
         _check(not (self.scorer and self.custom_fn),
                "scorer and custom_fn are both set; keep one (each scores every sample)")
         # The scorer's name is checked against the registry by dagrl.train before any work

@@ -314,3 +314,17 @@ class Batch:
             for k, t in self._td.items()
         )
         return f"Batch(n={len(self)}, tensors={{{tensors}}}, non_tensors=[{', '.join(self._nt)}])"
+
+
+# A multi-turn response holds the policy's tokens and, between its turns, tool and environment
+# tokens that the policy reads but is not trained on: `response_mask` (the loss mask) has gaps
+# there, and `response_attention_mask` marks every token of the response, policy or not.
+RESPONSE_ATTENTION_MASK = "response_attention_mask"
+
+
+def response_attention(batch: Batch) -> Tensor:
+    """[N, R]: 1 on every token of each response that the model reads (what teacher-forced
+    passes attend to and what token counts count); a single-turn batch without the field has
+    no gaps, so its `response_mask` is that."""
+    mask = batch.get(RESPONSE_ATTENTION_MASK)
+    return batch["response_mask"] if mask is None else mask

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dagrl.data.batch import Batch
+from dagrl.data.batch import Batch, response_attention
 from dagrl.device import HOST
 
 GROUP_KEY = "uid"
@@ -283,9 +283,10 @@ def balanced_partition(weights: Sequence[int], k: int) -> list[int]:
 def sample_tokens(batch: Batch) -> torch.Tensor:
     """Tokens per sample (prompt + response), the cost measure that balancing equalises."""
     total = torch.zeros(len(batch), dtype=torch.long)
-    for key in ("prompt_mask", "response_mask"):
-        if key in batch:
-            total += batch[key].sum(-1).long().cpu()
+    if "prompt_mask" in batch:
+        total += batch["prompt_mask"].sum(-1).long().cpu()
+    if "response_mask" in batch:   # with a multi-turn response's tool tokens
+        total += response_attention(batch).sum(-1).long().cpu()
     return total
 
 

@@ -142,13 +142,16 @@ class ParquetPrompts:
         return out
 
 
-def encode_prompt(tokenizer, messages: Any) -> list[int]:
-    """Token ids of a prompt: the chat template (with the generation prompt) when the tokenizer
-    has one, otherwise the message contents joined by newlines."""
+def encode_prompt(tokenizer, messages: Any, tools: Sequence[dict] | None = None) -> list[int]:
+    """Token ids of a prompt: the chat template (with the generation prompt, and the schemas of
+    `tools` for multi-turn rollouts) when the tokenizer has one, otherwise the message contents
+    joined by newlines."""
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        kwargs = {"tools": list(tools)} if tools else {}
+        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                             tokenize=False, **kwargs)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     text = "\n".join(m["content"] for m in messages)
     return tokenizer(text, add_special_tokens=True)["input_ids"]

@@ -20,7 +20,7 @@ from dagrl.algorithms.loss_agg import agg_loss
 from dagrl.algorithms.policy_loss import POLICY_LOSSES, PolicyLossParams, pinned_agg_mode
 from dagrl.algorithms.rollout_correction import RolloutCorrectionParams
 from dagrl.config.schema import ActorConfig, AlgorithmConfig, RolloutCorrectionConfig
-from dagrl.data.batch import Batch
+from dagrl.data.batch import Batch, response_attention
 from dagrl.engines.forward import batch_logprob_stats, response_logprobs
 from dagrl.engines.lora import is_lora, lora_scalings, merged_weights
 from dagrl.engines.train_engine import TrainEngine, token_mean
@@ -85,7 +85,9 @@ class ActorEngine(TrainEngine):
         mask = micro["response_mask"]
         with self.autocast():
             out = response_logprobs(self.model, micro["prompt_ids"], micro["prompt_mask"],
-                                    micro["responses"], mask, temperature=self.temperature,
+                                    micro["responses"], mask,
+                                    attention_mask=response_attention(micro),
+                                    temperature=self.temperature,
                                     with_entropy=True, chunk_tokens=self.cfg.logits_chunk_tokens,
                                     pack=self.pack)
         # Without an old_logprob pass the batch gets one optimizer step, taken from the weights

@@ -28,9 +28,12 @@ from dagrl.engines.lora import ReferenceView, apply_lora, is_lora, plain_copy
 from dagrl.engines.models import DTYPES, cast_copy, load_model, load_tokenizer
 from dagrl.engines.precision import store_linears_in_low_precision
 from dagrl.engines.sharding import checkpoint_activations, compile_layers, shard_model
+from dagrl.envs import load_environment
 from dagrl.rewards.manager import RewardManager
 from dagrl.rollout import RolloutEngine, build_rollout
+from dagrl.rollout.multi_turn import MultiTurnRollout
 from dagrl.rollout.sampling import logprob_temperature
+from dagrl.tools import load_tools
 
 
 @dataclass
@@ -39,6 +42,8 @@ class Engines:
     actor: ActorEngine | None = None
     critic: CriticEngine | None = None
     rollout: RolloutEngine | None = None
+    # rollout.multi_turn: the agent loop over `rollout` (tools, environments).
+    agent: MultiTurnRollout | None = None
     ref_model: torch.nn.Module | None = None
     reward_manager: RewardManager | None = None
     kl_controller: FixedKLController | AdaptiveKLController | None = None
@@ -127,10 +132,20 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
                 return plain if dtype == m.dtype else cast_copy(plain, DTYPES[dtype])
             return cast_copy(whole_actor, DTYPES[dtype])
 
+        mt = cfg.rollout.multi_turn
+        format_stops = (MultiTurnRollout.format_stop_token_ids(tokenizer, mt.format)
+                        if mt.enable else [])
         engines.rollout = build_rollout(cfg, load_rollout_copy, device,
                                         eos_token_id=tokenizer.eos_token_id,
                                         pad_token_id=tokenizer.pad_token_id,
-                                        actor_model=whole_actor if dtype == m.dtype else None)
+                                        actor_model=whole_actor if dtype == m.dtype else None,
+                                        extra_stop_token_ids=format_stops)
+        if mt.enable:
+            engines.agent = MultiTurnRollout(
+                engines.rollout, tokenizer, mt, tools=load_tools(mt.tools, mt),
+                env_factory=load_environment(mt.environment) if mt.environment else None,
+                prompt_width=cfg.data.max_prompt_length,
+                response_width=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
     if "ref" in needed and cfg.actor.lora.rank and engines.actor is not None:
         # Under LoRA the reference is the frozen base: the actor with its adapters off.
         engines.ref_model = ReferenceView(engines.actor.model)
@@ -143,7 +158,8 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
     if "reward" in needed:
         r = cfg.reward
         engines.reward_manager = RewardManager(on_error=r.on_error, custom_fn=r.custom_fn,
-                                               error_score=r.error_score, scorer=r.scorer)
+                                               error_score=r.error_score, scorer=r.scorer,
+                                               num_workers=r.num_workers, timeout_s=r.timeout_s)
     a = cfg.algorithm
     if a.kl_in_reward:
         engines.kl_controller = (AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)

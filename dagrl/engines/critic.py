@@ -12,7 +12,7 @@ from transformers import AutoModelForTokenClassification
 from dagrl.algorithms.loss_agg import agg_loss
 from dagrl.algorithms.value_loss import clipped_value_loss
 from dagrl.config.schema import CriticConfig
-from dagrl.data.batch import Batch
+from dagrl.data.batch import Batch, response_attention
 from dagrl.engines.attention import resolve_attn_implementation
 from dagrl.engines.forward import batch_values, response_values
 from dagrl.engines.models import DTYPES, _check_model_dir, _disable_dropout
@@ -59,7 +59,8 @@ class CriticEngine(TrainEngine):
         mask = micro["response_mask"]
         with self.autocast():
             values = response_values(self.model, micro["prompt_ids"], micro["prompt_mask"],
-                                     micro["responses"], mask, pack=self.pack)
+                                     micro["responses"], mask,
+                                     attention_mask=response_attention(micro), pack=self.pack)
         loss_mat, stats = clipped_value_loss(values, micro["values"], micro["returns"], mask,
                                              cliprange_value=self.cfg.cliprange_value)
         loss = agg_loss(loss_mat, mask, self.loss_agg_mode, denom=denoms[self.loss_agg_mode])

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dagrl.algorithms.utils import entropy_from_logits, logprobs_from_logits
-from dagrl.data.batch import Batch
+from dagrl.data.batch import Batch, response_attention
 from dagrl.engines.micro_batches import micro_batches
 from dagrl.rollout.hf import position_ids_from_mask
 
@@ -27,29 +27,31 @@ class ResponseLogprobs:
     sum_pi_squared: torch.Tensor | None = None   # [B, R] = Σ_v softmax(z/T)_v²
 
 
-def _trimmed_inputs(prompt_ids, prompt_mask, responses, response_mask):
+def _trimmed_inputs(prompt_ids, prompt_mask, responses, attention_mask):
     """[prompt | response] without the columns that are padding in every row (the layout is
     fixed-width, so a batch of short prompts carries many): (input_ids, attention [B, T],
-    P' = the kept prompt width, R' = the last used response column + 1)."""
+    P' = the kept prompt width, R' = the last attended response column + 1).
+    `attention_mask` [B, R]: the response tokens the model reads (see `response_logprobs`)."""
     first = int(prompt_mask.any(0).float().argmax()) if prompt_mask.any() else prompt_mask.shape[1]
-    last = int(response_mask.any(0).nonzero().max()) + 1 if response_mask.any() else 0
+    last = int(attention_mask.any(0).nonzero().max()) + 1 if attention_mask.any() else 0
     p_ids, p_mask = prompt_ids[:, first:], prompt_mask[:, first:]
     input_ids = torch.cat([p_ids, responses[:, :last]], dim=1)
-    attention = torch.cat([p_mask, response_mask[:, :last]], dim=1).long()
+    attention = torch.cat([p_mask, attention_mask[:, :last]], dim=1).long()
     return input_ids, attention, p_ids.shape[1], last
 
 
-def _packed_inputs(prompt_ids, prompt_mask, responses, response_mask):
+def _packed_inputs(prompt_ids, prompt_mask, responses, response_mask, attention_mask):
     """Every row's [prompt | response] tokens, padding removed, end to end in one row:
     (input_ids [1, T], position_ids [1, T] restarting at 0 for each sequence, predicting [N] =
-    the column of the packed row that predicts each used response token, in row-major order).
-    transformers reads a packed row from position ids that restart (with no attention mask):
-    attention stays within each sequence (flash-attn varlen on CUDA, a block-causal mask with
-    sdpa/eager), so each token sees exactly what it saw in the padded layout."""
+    the column of the packed row that predicts each response token of `response_mask`, in
+    row-major order). transformers reads a packed row from position ids that restart (with no
+    attention mask): attention stays within each sequence (flash-attn varlen on CUDA, a
+    block-causal mask with sdpa/eager), so each token sees exactly what it saw in the padded
+    layout."""
     width = prompt_ids.shape[1]
     used = response_mask.bool()
-    # The masks are the attention masks, as in the padded layout: what they leave out is padding.
-    keep = torch.cat([prompt_mask.bool(), used], dim=1)                           # [B, P+R]
+    # What the attention masks leave out is padding; a multi-turn response's tool tokens stay.
+    keep = torch.cat([prompt_mask.bool(), attention_mask.bool()], dim=1)          # [B, P+R]
     tokens = torch.cat([prompt_ids, responses], dim=1)
     column = keep.flatten().cumsum(0).view_as(keep) - 1         # packed column of each kept one
     positions = keep.long().cumsum(1) - 1                       # 0.. within each sequence
@@ -58,16 +60,16 @@ def _packed_inputs(prompt_ids, prompt_mask, responses, response_mask):
 
 
 def _response_outputs(model: torch.nn.Module, prompt_ids, prompt_mask, responses,
-                      response_mask, pack: bool) -> torch.Tensor:
+                      response_mask, attention_mask, pack: bool) -> torch.Tensor:
     """Run the model on [prompt | response] and return its outputs at the positions that
     *predict* each used response token: [N, ...] (row-major over the response mask)."""
     if pack:
         input_ids, positions, predicting = _packed_inputs(prompt_ids, prompt_mask, responses,
-                                                          response_mask)
+                                                          response_mask, attention_mask)
         out = model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
         return out[0, predicting]
     input_ids, attention, prompt_len, last = _trimmed_inputs(prompt_ids, prompt_mask, responses,
-                                                             response_mask)
+                                                             attention_mask)
     out = model(input_ids=input_ids, attention_mask=attention,
                 position_ids=position_ids_from_mask(attention), use_cache=False).logits
     # Position i predicts token i+1: response token j is predicted at column P'-1+j.
@@ -123,6 +125,7 @@ def _head_forward(head: torch.nn.Module, forward):
 
 def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                       responses: torch.Tensor, response_mask: torch.Tensor, *,
+                      attention_mask: torch.Tensor | None = None,
                       temperature: float = 1.0, with_entropy: bool = False,
                       chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                       pack: bool = False,
@@ -130,6 +133,9 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
     """log softmax(z_t / T)[y_t] for every response token y_t: [B, R] (0 where masked).
 
     prompt_ids/prompt_mask: [B, P] left-padded; responses/response_mask: [B, R] right-padded.
+    `attention_mask` [B, R]: the response tokens the model reads, a superset of `response_mask`
+    (default: the same). They differ in multi-turn responses: the tool and environment tokens
+    between the policy's turns are read (attended to) but get no log-prob (0 there).
     No [B, T, V] logits tensor is built: the head runs on the N used response tokens' hidden
     states alone, in chunks of `chunk_tokens` (0: all at once). `pack`: the rows go through
     the model as one packed row without padding (`_packed_inputs`); otherwise padded, minus
@@ -137,19 +143,20 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
     hidden states (`logits_to_keep`).
     """
     batch, resp_len = responses.shape
+    attention_mask = response_mask if attention_mask is None else attention_mask
     used = response_mask.bool()                                               # [B, R]
     targets = responses[used]                                                 # [N]
     head = model.get_output_embeddings()
     if pack:
         input_ids, positions, predicting = _packed_inputs(prompt_ids, prompt_mask, responses,
-                                                          response_mask)
+                                                          response_mask, attention_mask)
         kwargs = {"position_ids": positions}
 
         def pick(hidden: torch.Tensor) -> torch.Tensor:                      # [1, T, H]
             return hidden[0, predicting]                                      # [N, H]
     else:
         input_ids, attention, _, last = _trimmed_inputs(prompt_ids, prompt_mask, responses,
-                                                        response_mask)
+                                                        attention_mask)
         kwargs = {"attention_mask": attention,
                   "position_ids": position_ids_from_mask(attention), "logits_to_keep": last + 1}
 
@@ -172,10 +179,14 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
 
 def response_values(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                     responses: torch.Tensor, response_mask: torch.Tensor, *,
+                    attention_mask: torch.Tensor | None = None,
                     pack: bool = False) -> torch.Tensor:
-    """V(s_t) for the state before each response token, from a scalar-head model: [B, R]."""
+    """V(s_t) for the state before each response token of `response_mask`, from a scalar-head
+    model: [B, R] (0 elsewhere); `attention_mask` as in `response_logprobs`."""
     used = response_mask.bool()
-    out = _response_outputs(model, prompt_ids, prompt_mask, responses, response_mask, pack)
+    attention_mask = response_mask if attention_mask is None else attention_mask
+    out = _response_outputs(model, prompt_ids, prompt_mask, responses, response_mask,
+                            attention_mask, pack)
     values = torch.zeros(responses.shape, device=responses.device)
     values[used] = out[..., 0].float()
     return values
@@ -206,8 +217,8 @@ def batch_logprob_stats(model: torch.nn.Module, batch: Batch, *, micro_batch_siz
         if len(mb):
             res = response_logprobs(
                 model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
-                temperature=temperature, chunk_tokens=chunk_tokens, pack=pack,
-                with_sum_pi_squared=with_sum_pi_squared)
+                attention_mask=response_attention(mb), temperature=temperature,
+                chunk_tokens=chunk_tokens, pack=pack, with_sum_pi_squared=with_sum_pi_squared)
             out[idx.to(out.device)] = res.logprobs
             if sum_sq is not None:
                 sum_sq[idx.to(out.device)] = res.sum_pi_squared
@@ -223,5 +234,5 @@ def batch_values(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int,
         if len(mb):
             out[idx.to(out.device)] = response_values(
                 model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
-                pack=pack)
+                attention_mask=response_attention(mb), pack=pack)
     return out

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from dagrl.data.batch import Batch
+from dagrl.data.batch import Batch, response_attention
 
 
 def sample_tokens(batch: Batch) -> torch.Tensor:
     """Real tokens of each sample (prompt and response, no padding): [N]."""
-    return batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)
+    return batch["prompt_mask"].sum(1) + response_attention(batch).sum(1)
 
 
 def micro_batches(batch: Batch, micro_batch_size: int,

@@ -39,7 +39,10 @@ logger = logging.getLogger(__name__)
 SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARACTERS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*=:?. ")
 # The chat template only concatenates message contents after BOS: the tiny model has no roles.
-TINY_CHAT_TEMPLATE = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+# A tool's result (multi-turn rollouts, format=tiny) is followed by a space, so the policy's
+# next turn starts after a separator.
+TINY_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}"
+                      "{% if m['role'] == 'tool' %} {% endif %}{% endfor %}")
 
 BUILTIN_PREFIX = "builtin:"
 PACKAGE_PREFIX = "package:"

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from dagrl.data.batch import response_attention
+
 # FLOPs per parameter per token of the built-in roles. Roles not listed (user roles, reward,
 # advantage, filter) count as 0: they do no model matmuls, or none we can know of.
 FORWARD, TRAIN = 2, 6
@@ -60,8 +62,7 @@ def role_flops_per_token(role: str, n_params: int, passes: int = 1) -> float:
 
 def batch_tokens(batch) -> int:
     """Prompt + response tokens in a batch (0 when it has neither mask)."""
-    total = 0
-    for key in ("prompt_mask", "response_mask"):
-        if key in batch:
-            total += int(batch[key].sum())
+    total = int(batch["prompt_mask"].sum()) if "prompt_mask" in batch else 0
+    if "response_mask" in batch:   # with a multi-turn response's tool tokens
+        total += int(response_attention(batch).sum())
     return total

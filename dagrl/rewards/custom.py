@@ -1,4 +1,5 @@
-"""Load a user reward function from ``"path/to/file.py:name"`` or ``"package.module:name"``.
+"""Load a user reward function from ``"path/to/file.py:name"`` or ``"package.module:name"``
+(the same loader brings in a user's tools and environments, dagrl/tools and dagrl/envs).
 
 User functions follow verl's signature::
 
@@ -22,10 +23,10 @@ def _is_file_spec(target: str) -> bool:
     return target.endswith(".py") or "/" in target or "\\" in target
 
 
-def _load_file(spec: str, target: str) -> ModuleType:
+def _load_file(spec: str, target: str, what: str) -> ModuleType:
     path = Path(target).expanduser().resolve()
     if not path.is_file():
-        raise FileNotFoundError(f"reward function {spec!r}: file {str(path)!r} does not exist")
+        raise FileNotFoundError(f"{what} {spec!r}: file {str(path)!r} does not exist")
     # A name unique per absolute path: two different reward.py files must not share a module.
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
     module_name = f"dagrl_user_reward_{path.stem}_{digest}"
@@ -33,7 +34,7 @@ def _load_file(spec: str, target: str) -> ModuleType:
         return sys.modules[module_name]
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
-        raise ImportError(f"reward function {spec!r}: cannot import {str(path)!r} as Python")
+        raise ImportError(f"{what} {spec!r}: cannot import {str(path)!r} as Python")
     module = importlib.util.module_from_spec(module_spec)
     # Registered before exec so dataclasses / pickling inside the user file can find it.
     sys.modules[module_name] = module
@@ -45,26 +46,26 @@ def _load_file(spec: str, target: str) -> ModuleType:
     return module
 
 
-def load_function(spec: str) -> Callable:
+def load_function(spec: str, what: str = "reward function") -> Callable:
     """Import and return the callable named by ``spec``.
 
     ``spec`` is ``"file.py:function"`` (path absolute or relative to the current directory)
-    or ``"package.module:function"``.
+    or ``"package.module:function"``; ``what`` names it in the errors ("tool", ...).
     """
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
         raise ValueError(
-            f"reward function spec {spec!r} must look like 'path/to/file.py:function_name' "
+            f"{what} spec {spec!r} must look like 'path/to/file.py:function_name' "
             "or 'package.module:function_name'"
         )
     if _is_file_spec(target):
-        module = _load_file(spec, target)
+        module = _load_file(spec, target, what)
     else:
         try:
             module = importlib.import_module(target)
         except ModuleNotFoundError as exc:
             raise ModuleNotFoundError(
-                f"reward function {spec!r}: module {target!r} not found ({exc})"
+                f"{what} {spec!r}: module {target!r} not found ({exc})"
             ) from exc
     if not hasattr(module, name):
         available = sorted(
@@ -72,12 +73,12 @@ def load_function(spec: str) -> Callable:
             if callable(value) and not attr.startswith("_")
         )
         raise AttributeError(
-            f"reward function {spec!r}: {target!r} has no attribute {name!r}. "
+            f"{what} {spec!r}: {target!r} has no attribute {name!r}. "
             f"Callables there: {', '.join(available) or '(none)'}"
         )
     fn = getattr(module, name)
     if not callable(fn):
         raise TypeError(
-            f"reward function {spec!r}: {name!r} is a {type(fn).__name__}, not a callable"
+            f"{what} {spec!r}: {name!r} is a {type(fn).__name__}, not a callable"
         )
     return fn

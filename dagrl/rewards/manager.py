@@ -5,6 +5,11 @@ the rule scorer registered for its ``data_source``. A scorer that raises or retu
 other than a finite number is a *failure*: by default it stops the run with a message naming
 the sample; with ``on_error="count"`` the sample gets ``error_score`` and the failure is counted
 so the caller can report it as a metric. Failures are never silently turned into zeros.
+
+Scorers may be async functions. With ``num_workers > 0`` they run in a pool of processes
+(pool.py), side by side, and with ``timeout_s > 0`` a sample whose scorer runs longer is cut
+off: it gets ``error_score`` and is counted as a timeout whatever ``on_error`` says, so one
+hanging scorer never stalls the step.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import numpy as np
 
 from dagrl.registry import UnknownNameError
 from dagrl.rewards.custom import load_function
+from dagrl.rewards.pool import ScorerPool, Timeout, call_scorer
 from dagrl.rewards.scorers import SCORERS
 
 ON_ERROR_CHOICES = ("raise", "count")
@@ -32,6 +38,7 @@ class RewardError(RuntimeError):
 class RewardResult:
     scores: list[float]  # one per sample
     n_errors: int = 0  # failures replaced by error_score under on_error="count"
+    n_timeouts: int = 0  # samples cut off at timeout_s (given error_score)
     first_error: str | None = None  # message of the first failure, for the log
     # extra numeric keys from dict-returning scorers; NaN where a sample lacks the key
     extra: dict[str, list[float]] = field(default_factory=dict)
@@ -63,6 +70,14 @@ def _unpack(result: Any) -> tuple[float, dict[str, float]]:
     return score, extra
 
 
+def _call_or_error(fn: Callable, *args) -> Any:
+    """A scorer's raw result in this process, or the exception it raised."""
+    try:
+        return call_scorer(fn, *args)
+    except Exception as exc:
+        return exc
+
+
 def _scorer_name(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 
@@ -78,10 +93,12 @@ class RewardManager:
             scores every sample, whatever its data_source.
         error_score: reward of a failed sample under ``on_error="count"``.
         scorer: a registered scorer name that scores every sample, whatever its data_source.
+        num_workers: processes that run the scorers; 0 scores in this process.
+        timeout_s: with num_workers > 0, the most seconds one sample's scorer may take.
     """
 
     def __init__(self, *, on_error: str = "raise", custom_fn: str = "", error_score: float = 0.0,
-                 scorer: str = ""):
+                 scorer: str = "", num_workers: int = 0, timeout_s: float = 0.0):
         if on_error not in ON_ERROR_CHOICES:
             raise ValueError(
                 f"reward.on_error must be one of {', '.join(map(repr, ON_ERROR_CHOICES))}, "
@@ -95,6 +112,11 @@ class RewardManager:
         # Loaded here so a bad spec fails at start-up, not after the first rollout.
         self.custom_fn = load_function(custom_fn) if custom_fn else None
         self.scorer = SCORERS.get(scorer) if scorer else None
+        if timeout_s and not num_workers:
+            raise ValueError("reward.timeout_s needs reward.num_workers > 0: a scorer running "
+                             "in the trainer's own process cannot be cut off")
+        self.pool = (ScorerPool(num_workers, timeout_s, custom_fn=custom_fn, scorer=scorer)
+                     if num_workers else None)
 
     def _resolve(self, data_source: str, index: int) -> tuple[Callable[..., Any], str]:
         """(fn(solution_str, ground_truth, extra_info), name) for one sample's data_source."""
@@ -141,11 +163,27 @@ class RewardManager:
         # Resolve every scorer first: an unknown data_source fails before any work is done.
         scorers = [self._resolve(ds, i) for i, ds in enumerate(data_sources)]
 
+        if self.pool is not None:
+            raw = self.pool.score(responses, data_sources, ground_truths, extra_infos)
+        else:
+            raw = [_call_or_error(fn, response, ground_truths[i], extra_infos[i])
+                   for i, ((fn, _), response) in enumerate(zip(scorers, responses, strict=True))]
         result = RewardResult(scores=[])
         extras: list[dict[str, float]] = []
-        for i, ((fn, name), response) in enumerate(zip(scorers, responses, strict=True)):
+        for i, ((_, name), response) in enumerate(zip(scorers, responses, strict=True)):
+            if isinstance(raw[i], Timeout):
+                result.n_timeouts += 1
+                result.first_error = result.first_error or (
+                    f"reward timed out for sample {i}"
+                    + (f" (id {sample_ids[i]!r})" if sample_ids is not None else "")
+                    + f", scorer {name}: {raw[i]}")
+                result.scores.append(self.error_score)
+                extras.append({})
+                continue
             try:
-                score, extra = _unpack(fn(response, ground_truths[i], extra_infos[i]))
+                if isinstance(raw[i], Exception):
+                    raise raw[i]
+                score, extra = _unpack(raw[i])
             except Exception as exc:
                 sample = f"sample {i}"
                 if sample_ids is not None:

@@ -45,6 +45,20 @@ def arith_score(solution_str: str, ground_truth: str, extra_info: dict | None = 
     return 0.2 * digit_frac + 0.2 * length_score + 0.4 * position_match
 
 
+_INTEGER = re.compile(r"-?\d+")
+
+
+@SCORERS.register("tool_calc")
+def tool_calc_score(solution_str: str, ground_truth: str,
+                    extra_info: dict | None = None) -> float:
+    """The `tool-calc` agent task: the last integer of the response, scored like `arith`
+    (1 when exact, partial credit otherwise; 0 without a number). A multi-turn response is
+    decoded whole, as verl decodes it: the tools' results are part of it, so an answer the
+    calculator gave and the policy let stand counts."""
+    numbers = _INTEGER.findall(solution_str)
+    return arith_score(numbers[-1], ground_truth) if numbers else 0.0
+
+
 # ---------------------------------------------------------------------------------------------
 # GSM8K: "... #### 42"
 

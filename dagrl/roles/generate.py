@@ -3,13 +3,18 @@
 Fields `rollout` adds, for a shard of N samples (the prompts repeated rollout.n times, so a
 prompt's group stays on one rank) and response width R:
     responses [N, R], response_mask [N, R], rollout_logprobs [N, R], sample_seed [N]
+With rollout.multi_turn (agents, dagrl/rollout/multi_turn.py) also:
+    response_attention_mask [N, R]   every response token, tool and environment tokens included
+                                     (response_mask, the loss mask, has gaps there)
+    turn_scores [N, R]               (with an environment) its rewards at their turns' last token
+and prompt_ids / prompt_mask are the prompts as rendered with the tools' schemas.
 """
 
 from __future__ import annotations
 
 import torch
 
-from dagrl.data.batch import Batch
+from dagrl.data.batch import RESPONSE_ATTENTION_MASK, Batch
 from dagrl.roles.registry import NodeContext, register_role
 from dagrl.roles.score import decode_responses
 from dagrl.rollout.sampling import SamplingParams, mix_seed
@@ -24,10 +29,13 @@ def rollout(ctx: NodeContext, batch: Batch) -> Batch:
     # Randomness keyed by (seed, step, dataset row, sample index): see rollout/sampling.py.
     batch["sample_seed"] = mix_seed(ctx.config.trainer.seed, ctx.step, batch["row_index"],
                                     sample_index)
+    params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
+    if ctx.engines.agent is not None:
+        return _multi_turn(ctx, batch, params)
     engine = ctx.engines.rollout
     out = engine.generate(batch["prompt_ids"], batch["prompt_mask"], batch["sample_seed"],
-                          SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p),
-                          max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens)
+                          params, max_new_tokens=cfg.max_new_tokens,
+                          min_new_tokens=cfg.min_new_tokens)
     batch["responses"] = out.responses
     batch["response_mask"] = out.response_mask
     batch["rollout_logprobs"] = out.logprobs
@@ -41,19 +49,73 @@ def rollout(ctx: NodeContext, batch: Batch) -> Batch:
     return batch
 
 
+def agent_rows(batch: Batch) -> list[dict]:
+    """What an episode starts from: each sample's dataset row."""
+    return [{"prompt": p, "data_source": d, "ground_truth": g, "extra_info": e}
+            for p, d, g, e in zip(batch["prompt"], batch["data_source"], batch["ground_truth"],
+                                  batch["extra_info"], strict=True)]
+
+
+def _multi_turn(ctx: NodeContext, batch: Batch, params: SamplingParams) -> Batch:
+    agent, m = ctx.engines.agent, ctx.metrics
+    out = agent.generate(agent_rows(batch), batch["sample_seed"], params,
+                         batch["prompt_ids"].device)
+    batch["prompt_ids"], batch["prompt_mask"] = out.prompt_ids, out.prompt_mask
+    batch["responses"] = out.responses
+    batch["response_mask"] = out.response_mask
+    batch[RESPONSE_ATTENTION_MASK] = out.attention_mask
+    batch["rollout_logprobs"] = out.logprobs
+    if agent.env_factory is not None:
+        batch["turn_scores"] = out.turn_scores
+    n = len(batch)
+    lengths = out.response_mask.sum(-1)
+    observed = out.attention_mask.sum(-1) - lengths
+    m.add_distribution("response/length", lengths)
+    m.add_mean("response/clip_ratio",
+               float((out.attention_mask.sum(-1) >= out.responses.shape[1]).sum()), n)
+    m.add_mean("prompt/length_mean", float(out.prompt_mask.sum()), n)
+    m.add_sum("tokens/total", float(out.attention_mask.sum() + out.prompt_mask.sum()))
+    m.add_mean("multi_turn/turns_mean", float(out.turns.sum()), n)
+    m.add_max("multi_turn/turns_max", float(out.turns.max()) if n else 0.0)
+    m.add_mean("multi_turn/observation_tokens_mean", float(observed.sum()), n)
+    m.add_mean("tools/calls_mean", float(out.tool_calls.sum()), n)
+    m.add_sum("tools/calls", float(out.tool_calls.sum()))
+    m.add_sum("tools/errors", float(out.tool_errors.sum()))
+    m.add_sum("tools/format_errors", float(out.format_errors.sum()))
+    for name, count in out.calls_by_tool.items():
+        m.add_sum(f"tools/calls/{name}", count)
+    if out.first_error:
+        ctx.engines.log(f"rollout: {int(out.tool_errors.sum())} failed tool call(s) counted; "
+                        f"first: {out.first_error}")
+    return batch
+
+
 @register_role("greedy_baseline", engines=("rollout", "reward"))
 def greedy_baseline(ctx: NodeContext, batch: Batch) -> Batch:
     """ReMax: the reward of the greedy response to each prompt, the baseline of its samples.
     Adds baseline_scores [prompts]; the rollout node repeats it with the prompt."""
     cfg = ctx.config.rollout
-    out = ctx.engines.rollout.generate(
-        batch["prompt_ids"], batch["prompt_mask"], torch.zeros(len(batch), dtype=torch.long),
-        SamplingParams(temperature=0.0), max_new_tokens=cfg.max_new_tokens,
-        min_new_tokens=cfg.min_new_tokens)
-    texts = decode_responses(ctx.engines.tokenizer, out.responses, out.response_mask)
-    result = ctx.engines.reward_manager.score(texts, batch["data_source"], batch["ground_truth"],
-                                             batch["extra_info"],
-                                             sample_ids=[f"{u}/greedy" for u in batch["uid"]])
-    batch["baseline_scores"] = torch.tensor(result.scores, dtype=torch.float32)
+    seeds = torch.zeros(len(batch), dtype=torch.long)
+    greedy = SamplingParams(temperature=0.0)
+    sample_ids = [f"{u}/greedy" for u in batch["uid"]]
+    if ctx.engines.agent is not None:
+        out = ctx.engines.agent.generate(agent_rows(batch), seeds, greedy,
+                                         batch["prompt_ids"].device)
+        if ctx.engines.agent.env_factory is not None:
+            scores = out.turn_scores.sum(-1).tolist()
+        else:
+            texts = decode_responses(ctx.engines.tokenizer, out.responses, out.attention_mask)
+            scores = ctx.engines.reward_manager.score(
+                texts, batch["data_source"], batch["ground_truth"], batch["extra_info"],
+                sample_ids=sample_ids).scores
+    else:
+        out = ctx.engines.rollout.generate(
+            batch["prompt_ids"], batch["prompt_mask"], seeds, greedy,
+            max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens)
+        texts = decode_responses(ctx.engines.tokenizer, out.responses, out.response_mask)
+        scores = ctx.engines.reward_manager.score(texts, batch["data_source"],
+                                                  batch["ground_truth"], batch["extra_info"],
+                                                  sample_ids=sample_ids).scores
+    batch["baseline_scores"] = torch.tensor(scores, dtype=torch.float32)
     ctx.metrics.add_distribution("reward/greedy_baseline", batch["baseline_scores"])
     return batch

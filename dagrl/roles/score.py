@@ -1,6 +1,11 @@
 """The `reward` role: score each response with the reward manager (rule scorers, user
 functions), add DAPO's overlong shaping when configured, and place the outcome reward on the
-last response token.
+last response token (the policy's last token: a multi-turn response ends with its final turn).
+
+Multi-turn rollouts: the reward manager scores the whole response, tool and environment
+messages included (`response_attention_mask`; verl decodes multi-turn responses the same way);
+an environment's episodes are scored by the environment alone, its per-turn rewards
+(`turn_scores`) already at the last token of the turns they reward.
 
 Fields added for N samples, response width R: scores [N], token_level_scores [N, R], and
 `score_component_<key>` [N] for each key of algorithm.gdpo_reward_keys.
@@ -13,7 +18,7 @@ import math
 import torch
 
 from dagrl.algorithms.shaping import overlong_penalty
-from dagrl.data.batch import Batch
+from dagrl.data.batch import Batch, response_attention
 from dagrl.roles.registry import NodeContext, register_role
 
 
@@ -23,14 +28,24 @@ def decode_responses(tokenizer, responses: torch.Tensor, mask: torch.Tensor) -> 
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
+def last_token_index(mask: torch.Tensor) -> torch.Tensor:
+    """The column of each row's last 1 in a [N, R] mask (0 for an empty row): [N]. Unlike
+    `mask.sum(-1) - 1` it is right for masks with gaps."""
+    columns = torch.arange(1, mask.shape[1] + 1, device=mask.device)   # [R]
+    return ((mask > 0) * columns).amax(-1).sub(1).clamp(min=0)
+
+
 @register_role("reward", engines=("reward",))
 def reward(ctx: NodeContext, batch: Batch) -> Batch:
-    texts = decode_responses(ctx.engines.tokenizer, batch["responses"], batch["response_mask"])
+    mask = batch["response_mask"]
+    if "turn_scores" in batch:   # an environment's episodes: its rewards are their score
+        return _environment_scores(ctx, batch)
+    texts = decode_responses(ctx.engines.tokenizer, batch["responses"],
+                             response_attention(batch))
     sample_ids = [f"{uid}/{i}" for i, uid in enumerate(batch["uid"])]
     result = ctx.engines.reward_manager.score(texts, batch["data_source"], batch["ground_truth"],
                                              batch["extra_info"], sample_ids=sample_ids)
     scores = torch.tensor(result.scores, dtype=torch.float32)
-    mask = batch["response_mask"]
     r = ctx.config.reward
     if r.overlong_buffer_len:
         penalty = overlong_penalty(mask.sum(-1), max_len=ctx.config.rollout.max_new_tokens,
@@ -39,16 +54,16 @@ def reward(ctx: NodeContext, batch: Batch) -> Batch:
         ctx.metrics.add_mean("reward/overlong_penalty", float(penalty.sum()), len(batch))
         scores = scores + penalty
     # The outcome reward sits on the last response token (token-level credit for PPO/GAE).
-    last = (mask.sum(-1).long() - 1).clamp(min=0)
     token_scores = torch.zeros_like(mask)
-    token_scores[torch.arange(len(batch)), last] = scores
+    token_scores[torch.arange(len(batch)), last_token_index(mask)] = scores
     batch["scores"] = scores
     batch["token_level_scores"] = token_scores * (mask.sum(-1, keepdim=True) > 0)
     ctx.metrics.add_distribution("reward", scores)
     ctx.metrics.add_sum("reward/errors", result.n_errors)
+    ctx.metrics.add_sum("reward/timeouts", result.n_timeouts)
     if result.first_error:
-        ctx.engines.log(f"reward: {result.n_errors} scorer failure(s) counted; first: "
-                        f"{result.first_error}")
+        ctx.engines.log(f"reward: {result.n_errors + result.n_timeouts} scorer failure(s) "
+                        f"counted; first: {result.first_error}")
     for name, values in result.extra.items():
         v = torch.tensor(values, dtype=torch.float64)
         ok = ~torch.isnan(v)
@@ -65,3 +80,13 @@ def reward(ctx: NodeContext, batch: Batch) -> Batch:
 def score_component_field(key: str) -> str:
     """The batch field holding the reward component `key` of every sample ([N])."""
     return f"score_component_{key}"
+
+
+def _environment_scores(ctx: NodeContext, batch: Batch) -> Batch:
+    """Environment episodes: token_level_scores are the per-turn rewards where the rollout put
+    them (the last token of each rewarded turn); the score is their sum."""
+    token_scores = batch["turn_scores"].to(batch["response_mask"].dtype)
+    batch["token_level_scores"] = token_scores
+    batch["scores"] = token_scores.sum(-1)
+    ctx.metrics.add_distribution("reward", batch["scores"])
+    return batch

@@ -6,6 +6,9 @@
     auto     native when it supports the model, else hf (the default)
     vllm     vLLM's engine in the worker process (vllm.py; the vllm extra)
     server   OpenAI-compatible servers you run (server.py): vLLM or SGLang, frozen weights
+
+Multi-turn rollouts (agents: tools, environments) run on top of any of them: multi_turn.py,
+with the chat formats and token bookkeeping of chat.py.
 """
 
 from __future__ import annotations
@@ -54,12 +57,14 @@ def native_can_share(backend: str, model: torch.nn.Module) -> bool:
 
 def build_rollout(cfg: Config, load_model: Callable[[], torch.nn.Module], device: torch.device,
                   *, eos_token_id: int, pad_token_id: int,
-                  actor_model: torch.nn.Module | None = None) -> RolloutEngine:
+                  actor_model: torch.nn.Module | None = None,
+                  extra_stop_token_ids: Sequence[int] = ()) -> RolloutEngine:
     """The engine `rollout.backend` names. `load_model` gives a fresh copy of the policy (used
     by the in-process backends; vLLM loads `model.path` itself, servers hold their own).
     `actor_model`: the whole (unsharded) trained model, which the native decoder then reads in
-    place instead of holding a copy (see `native_can_share`)."""
-    stop = cfg.rollout.stop_token_ids
+    place instead of holding a copy (see `native_can_share`). `extra_stop_token_ids`: stops
+    beside EOS and rollout.stop_token_ids (a multi-turn tool-call format's)."""
+    stop = list(dict.fromkeys([*cfg.rollout.stop_token_ids, *extra_stop_token_ids]))
     if cfg.rollout.backend == "server":
         return ServerRollout(ServerSettings.from_config(cfg), eos_token_id=eos_token_id,
                              pad_token_id=pad_token_id, stop_token_ids=stop)

@@ -22,6 +22,7 @@ from dagrl.config.schema import Config
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
 from dagrl.engines.bundle import Engines
 from dagrl.observe.metrics import StepMetrics
+from dagrl.roles.generate import agent_rows
 from dagrl.roles.score import decode_responses
 from dagrl.rollout.sampling import SamplingParams, mix_seed
 
@@ -65,15 +66,28 @@ class Validator:
         sample_index = torch.arange(n).repeat(len(rows))
         seeds = mix_seed(self.cfg.trainer.seed, VAL_SEED_STEP, batch["row_index"].cpu(),
                          sample_index)
-        out = self.engines.rollout.generate(
-            batch["prompt_ids"], batch["prompt_mask"], seeds.to(self.device),
-            SamplingParams(r.val_temperature, r.top_k, r.top_p),
-            max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens)
-        texts = decode_responses(self.engines.tokenizer, out.responses, out.response_mask)
-        result = self.engines.reward_manager.score(
-            texts, batch["data_source"], batch["ground_truth"], batch["extra_info"],
-            sample_ids=[f"val/{uid}/{i % n}" for i, uid in enumerate(batch["uid"])])
-        scores = torch.tensor(result.scores, dtype=torch.float64).view(len(rows), n)
+        params = SamplingParams(r.val_temperature, r.top_k, r.top_p)
+        agent = self.engines.agent
+        env_scores = None
+        if agent is not None:   # multi-turn: the final answers, or the environment's rewards
+            out = agent.generate(agent_rows(batch), seeds.to(self.device), params, self.device)
+            texts = decode_responses(self.engines.tokenizer, out.responses, out.attention_mask)
+            if agent.env_factory is not None:
+                env_scores = out.turn_scores.sum(-1).tolist()
+            metrics.add_mean("val/multi_turn/turns_mean", float(out.turns.sum()), len(texts))
+            metrics.add_mean("val/tools/calls_mean", float(out.tool_calls.sum()), len(texts))
+        else:
+            out = self.engines.rollout.generate(
+                batch["prompt_ids"], batch["prompt_mask"], seeds.to(self.device), params,
+                max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens)
+            texts = decode_responses(self.engines.tokenizer, out.responses, out.response_mask)
+        if env_scores is None:
+            result = self.engines.reward_manager.score(
+                texts, batch["data_source"], batch["ground_truth"], batch["extra_info"],
+                sample_ids=[f"val/{uid}/{i % n}" for i, uid in enumerate(batch["uid"])])
+            metrics.add_sum("val/reward_errors", result.n_errors + result.n_timeouts)
+        scores = torch.tensor(result.scores if env_scores is None else env_scores,
+                              dtype=torch.float64).view(len(rows), n)
         sources = batch["data_source"][::n]
         for p, source in enumerate(sources):
             prefix = f"val/{source}"
@@ -83,4 +97,3 @@ class Validator:
                 answers = [t.strip() for t in texts[p * n:(p + 1) * n]]
                 majority = Counter(answers).most_common(1)[0][0]
                 metrics.add_mean(f"{prefix}/maj@{n}", float(scores[p, answers.index(majority)]), 1)
-        metrics.add_sum("val/reward_errors", result.n_errors)

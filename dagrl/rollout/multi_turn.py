@@ -1,0 +1,277 @@
+"""Multi-turn rollouts: the policy chats with tools and environments, on any RolloutEngine.
+
+Each episode (one sample) starts from its row's messages (or an environment's `reset`), rendered
+with the chat template and the tools' schemas. Every turn, the engine generates for all live
+episodes at once (left-padded contexts: prompt + response so far); then, concurrently over the
+batch (asyncio), each turn's tool calls are parsed (chat.py) and run, or the environment takes
+the turn; their answers are appended to the chat and, as tokens, to the response; the next turn
+follows. A turn ends at a stop token or after `max_tokens_per_turn` tokens. An episode ends
+when a turn calls no tool and no environment goes on, when the environment says done, after
+`max_turns` turns, or when the response budget (`rollout.max_new_tokens`, tool tokens
+included) is spent.
+
+The response [B, R] interleaves the policy's tokens and the observation tokens:
+
+    response_mask      1 on the policy's tokens only (the loss mask: gaps at observations)
+    attention_mask     1 on every token (what teacher-forced passes read)
+    logprobs           the rollout's log-probs at the policy's tokens, 0 elsewhere
+    turn_scores        an environment's reward at the last token of the turn it rewards
+
+Turn k of sample b samples with the seed mix(sample_seed[b], k): draws stay the sample's own
+whatever its batch, and differ from turn to turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dagrl.config.multi_turn import MultiTurnConfig
+from dagrl.envs.base import Environment
+from dagrl.envs.base import step as env_step
+from dagrl.rollout.base import RolloutEngine
+from dagrl.rollout.chat import (
+    HermesFormat,
+    TinyFormat,
+    ToolCall,
+    Transcript,
+    first_required_parameter,
+)
+from dagrl.rollout.sampling import SamplingParams, mix_seed
+from dagrl.tools.base import Tool, ToolError, check_arguments, openai_schema
+
+
+@dataclass
+class MultiTurnOutput:
+    prompt_ids: torch.Tensor       # [B, P] the rendered prompts (with the tools), left-padded
+    prompt_mask: torch.Tensor      # [B, P]
+    responses: torch.Tensor        # [B, R]
+    response_mask: torch.Tensor    # [B, R] float32, 1 on the policy's tokens
+    attention_mask: torch.Tensor   # [B, R] float32, 1 on every response token
+    logprobs: torch.Tensor         # [B, R] float32, 0 off the policy's tokens
+    turn_scores: torch.Tensor      # [B, R] float32, environment rewards at their turn's end
+    final_texts: list[str]         # each episode's last policy turn (its final answer)
+    turns: torch.Tensor            # [B] policy turns
+    tool_calls: torch.Tensor       # [B] calls made (parsed or not)
+    tool_errors: torch.Tensor      # [B] calls that failed (bad format, bad arguments, a raise)
+    format_errors: torch.Tensor    # [B] calls that could not be parsed
+    calls_by_tool: Counter = field(default_factory=Counter)
+    first_error: str = ""          # one failed call's message, for the log
+
+
+@dataclass
+class _Episode:
+    transcript: Transcript
+    prompt: list[int]
+    budget: int
+    env: Environment | None
+    response: list[int] = field(default_factory=list)
+    policy: list[float] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    rewards: dict[int, float] = field(default_factory=dict)
+    turns: int = 0
+    calls: int = 0
+    errors: int = 0
+    format_errors: int = 0
+    final_text: str = ""
+    done: bool = False
+
+    def left(self) -> int:
+        return self.budget - len(self.response)
+
+    def append(self, tokens: Sequence[int], policy: bool,
+               logprobs: Sequence[float] | None = None) -> None:
+        tokens = list(tokens)[:self.left()]
+        self.response += tokens
+        self.policy += [float(policy)] * len(tokens)
+        self.logprobs += list(logprobs[:len(tokens)]) if logprobs is not None else \
+            [0.0] * len(tokens)
+
+
+class MultiTurnRollout:
+    """The agent loop over one engine (see the module docstring)."""
+
+    def __init__(self, engine: RolloutEngine, tokenizer, cfg: MultiTurnConfig, *,
+                 tools: dict[str, Tool], env_factory: Callable[[], Environment] | None,
+                 prompt_width: int, response_width: int, pad_token_id: int) -> None:
+        self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
+        self.tools, self.env_factory = tools, env_factory
+        self.prompt_width, self.response_width = prompt_width, response_width
+        self.pad_token_id = pad_token_id
+        self.schemas = [openai_schema(t) for t in tools.values()] or None
+        if cfg.format == "tiny":
+            self.format = TinyFormat({n: first_required_parameter(t.parameters)
+                                      for n, t in tools.items()})
+        else:
+            self.format = HermesFormat()
+        # Tokens that end a turn without being part of its text (EOS, <|im_end|>); the tiny
+        # format's `=` ends a turn and belongs to it.
+        content_stops = {tid for s in self.format.stop_strings
+                         for tid in tokenizer(s, add_special_tokens=False)["input_ids"]}
+        self.end_tokens = set(engine.stop_token_ids) - content_stops
+        self.stop_tokens = set(engine.stop_token_ids)
+
+    @staticmethod
+    def format_stop_token_ids(tokenizer, fmt: str) -> list[int]:
+        """Tokens the engine must stop at for `fmt` (the tiny format's `=`); each stop string
+        must be one token."""
+        strings = TinyFormat.stop_strings if fmt == "tiny" else HermesFormat.stop_strings
+        ids = []
+        for s in strings:
+            tokens = tokenizer(s, add_special_tokens=False)["input_ids"]
+            if len(tokens) != 1:
+                raise ValueError(f"rollout.multi_turn.format={fmt}: {s!r} must be one token of "
+                                 f"the tokenizer, it is {tokens}")
+            ids += tokens
+        return ids
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def generate(self, rows: Sequence[dict], sample_seed: torch.Tensor, params: SamplingParams,
+                 device: torch.device) -> MultiTurnOutput:
+        """One episode per row; `rows[i]` holds prompt (messages), data_source, ground_truth,
+        extra_info; sample_seed: [B]."""
+        episodes = [self._start(row, i) for i, row in enumerate(rows)]
+        first_error: list[str] = []
+        calls_by_tool: Counter = Counter()
+        for turn in range(self.cfg.max_turns):
+            live = [i for i, e in enumerate(episodes) if not e.done and e.left() > 0]
+            if not live:
+                break
+            self._policy_turn(episodes, live, sample_seed, turn, params, device)
+            last_turn = turn == self.cfg.max_turns - 1
+            replies = asyncio.run(self._answer([episodes[i] for i in live], last_turn,
+                                               calls_by_tool, first_error))
+            for i, messages in zip(live, replies, strict=True):
+                e = episodes[i]
+                if e.done or messages is None:
+                    e.done = True
+                    continue
+                e.append(e.transcript.observation_ids(messages), policy=False)
+                e.done = e.left() <= 0
+        return self._output(episodes, device, calls_by_tool, first_error)
+
+    def _start(self, row: dict, index: int) -> _Episode:
+        env = self.env_factory() if self.env_factory is not None else None
+        messages = env.reset(row) if env is not None else row["prompt"]
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        transcript = Transcript(self.tokenizer, self.schemas, [dict(m) for m in messages])
+        prompt = transcript.prompt_ids()
+        if len(prompt) > self.prompt_width:
+            raise ValueError(f"multi-turn prompt of sample {index} has {len(prompt)} tokens with "
+                             f"the tools' schemas, more than data.max_prompt_length="
+                             f"{self.prompt_width}; raise it")
+        return _Episode(transcript, prompt, self.response_width, env)
+
+    def _policy_turn(self, episodes: list[_Episode], live: list[int], sample_seed: torch.Tensor,
+                     turn: int, params: SamplingParams, device: torch.device) -> None:
+        """Generate the next turn of every live episode, one batch through the engine."""
+        contexts = [episodes[i].prompt + episodes[i].response for i in live]
+        width = max(len(c) for c in contexts)
+        ids = torch.full((len(live), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros(len(live), width, dtype=torch.long)
+        for row, context in enumerate(contexts):   # left padding, as every engine expects
+            ids[row, width - len(context):] = torch.tensor(context)
+            mask[row, width - len(context):] = 1
+        limit = max(episodes[i].left() for i in live)
+        if self.cfg.max_tokens_per_turn:
+            limit = min(limit, self.cfg.max_tokens_per_turn)
+        seeds = mix_seed(sample_seed[live].cpu(), turn)
+        out = self.engine.generate(ids.to(device), mask.to(device), seeds.to(device), params,
+                                   max_new_tokens=limit)
+        lengths = out.response_mask.sum(-1).long().tolist()
+        for row, i in enumerate(live):
+            e = episodes[i]
+            left = e.left()
+            tokens = out.responses[row, :lengths[row]].tolist()[:left]
+            e.append(tokens, policy=True, logprobs=out.logprobs[row, :len(tokens)].tolist())
+            e.turns += 1
+            stopped = bool(tokens) and tokens[-1] in self.stop_tokens
+            ends = stopped and tokens[-1] in self.end_tokens
+            text_ids = tokens[:-1] if ends else tokens
+            content = self.tokenizer.decode(text_ids, skip_special_tokens=False)
+            end_text = self.tokenizer.decode(tokens[-1:], skip_special_tokens=False) if ends else ""
+            e.transcript.policy_turn(content, end_text)
+            e.final_text = self.tokenizer.decode(text_ids, skip_special_tokens=True)
+            # Cut by the response budget: the episode ends mid-turn. (A turn cut by
+            # max_tokens_per_turn is a turn like any other.)
+            e.done = not stopped and len(tokens) >= left
+
+    async def _answer(self, live: list[_Episode], last_turn: bool, calls_by_tool: Counter,
+                      first_error: list[str]) -> list[list[dict] | None]:
+        """The messages that answer each live episode's turn (None: the episode ends), its tool
+        calls run and environments stepped concurrently over the batch."""
+        limit = asyncio.Semaphore(self.cfg.max_concurrent_calls)
+
+        async def one(e: _Episode) -> list[dict] | None:
+            content = e.transcript.messages[-1]["content"]
+            calls = self.format.parse(content, list(self.tools)) if self.tools else []
+            if calls and (e.done or last_turn):   # no turn left to read the results
+                return None
+            if calls:
+                e.calls += len(calls)
+                results = await asyncio.gather(*(self._call(c, e, limit, calls_by_tool,
+                                                             first_error) for c in calls))
+                return [{"role": "tool", "content": r} for r in results]
+            if e.env is None or e.done:
+                return None
+            observation, reward, done = await env_step(e.env, content)
+            e.rewards[len(e.response) - 1] = e.rewards.get(len(e.response) - 1, 0.0) + reward
+            return None if done or last_turn else [{"role": "user", "content": observation}]
+
+        return list(await asyncio.gather(*(one(e) for e in live)))
+
+    async def _call(self, call: ToolCall, e: _Episode, limit: asyncio.Semaphore,
+                    calls_by_tool: Counter, first_error: list[str]) -> str:
+        """Run one call; every failure becomes an `error: ...` result, counted."""
+        calls_by_tool[call.name] += 1
+        try:
+            if call.error:
+                e.format_errors += 1
+                raise ToolError(call.error)
+            tool = self.tools[call.name]
+            check_arguments(tool, call.arguments)
+            async with limit:
+                result = await tool.call(call.arguments)
+        except Exception as err:   # the policy reads what went wrong; the run goes on
+            e.errors += 1
+            message = str(err) if isinstance(err, ToolError) else \
+                f"{call.name}: {type(err).__name__}: {err}"
+            if not first_error:
+                first_error.append(message)
+            result = f"error: {message}"
+        limit_chars = self.cfg.max_tool_output_chars
+        return result if len(result) <= limit_chars else result[:limit_chars] + " [cut]"
+
+    def _output(self, episodes: list[_Episode], device: torch.device, calls_by_tool: Counter,
+                first_error: list[str]) -> MultiTurnOutput:
+        b, p, r = len(episodes), self.prompt_width, self.response_width
+        prompt_ids = torch.full((b, p), self.pad_token_id, dtype=torch.long)
+        prompt_mask = torch.zeros(b, p, dtype=torch.long)
+        responses = torch.full((b, r), self.pad_token_id, dtype=torch.long)
+        policy, attention, logprobs, scores = (torch.zeros(b, r) for _ in range(4))
+        for i, e in enumerate(episodes):
+            n = len(e.response)
+            prompt_ids[i, p - len(e.prompt):] = torch.tensor(e.prompt, dtype=torch.long)
+            prompt_mask[i, p - len(e.prompt):] = 1
+            responses[i, :n] = torch.tensor(e.response, dtype=torch.long)
+            policy[i, :n] = torch.tensor(e.policy)
+            attention[i, :n] = 1.0
+            logprobs[i, :n] = torch.tensor(e.logprobs)
+            for position, reward in e.rewards.items():
+                scores[i, position] += reward
+
+        def per_sample(name: str) -> torch.Tensor:
+            return torch.tensor([float(getattr(e, name)) for e in episodes])
+
+        return MultiTurnOutput(
+            prompt_ids.to(device), prompt_mask.to(device), responses.to(device),
+            policy.to(device), attention.to(device), logprobs.to(device), scores.to(device),
+            [e.final_text for e in episodes], per_sample("turns"), per_sample("calls"),
+            per_sample("errors"), per_sample("format_errors"), calls_by_tool,
+            first_error[0] if first_error else "")

@@ -1,0 +1,157 @@
+"""Tools and environments: the calculator, the tool-call formats, argument checks, a user's tools
+and environments loaded by `file.py:name`, and the built-in guess_number environment."""
+
+from __future__ import annotations
+
+import asyncio
+import textwrap
+
+import pytest
+
+from dagrl.config.multi_turn import MultiTurnConfig
+from dagrl.envs import ENVIRONMENTS, load_environment, step
+from dagrl.rollout.chat import HermesFormat, TinyFormat
+from dagrl.tools import ToolError, load_tools, openai_schema
+from dagrl.tools.base import check_arguments
+from dagrl.tools.builtin import Calculator, calculate
+
+CFG = MultiTurnConfig(tool_timeout_s=2.0)
+
+
+@pytest.mark.parametrize("expression, value", [
+    ("37*48+19", "1795"), ("7/2", "3.5"), ("6/3", "2"), ("2**10", "1024"), ("-5-3", "-8"),
+    (" (1+2)*3 ", "9"), ("7//2", "3"), ("7%3", "1"), ("1/3", "0.333333333333"),
+])
+def test_calculator_values(expression, value):
+    assert calculate(expression) == value
+
+
+@pytest.mark.parametrize("expression, error", [
+    ("1/0", "division by zero"), ("9**9**9", "too large"), ("1+", "not an arithmetic"),
+    ("__import__('os').system('id')", "not Call"), ("x+1", "not Name"), ("'a'*3", "not Constant"),
+    ("1" * 300, "longer than"), ("(-8)**0.5", "not a real number"),
+])
+def test_calculator_refuses_what_is_not_bounded_arithmetic(expression, error):
+    with pytest.raises(ToolError, match=error):
+        calculate(expression)
+
+
+def test_hermes_calls_are_parsed_and_malformed_ones_explained():
+    fmt, tools = HermesFormat(), ["calculator", "python"]
+    text = ('Let me compute. <tool_call>\n{"name": "calculator", "arguments": {"expression": '
+            '"2+2"}}\n</tool_call><tool_call>{"name": "python", "arguments": "{\\"code\\": '
+            '\\"print(1)\\"}"}</tool_call>')
+    calls = fmt.parse(text, tools)
+    assert [(c.name, c.arguments, c.error) for c in calls] == [
+        ("calculator", {"expression": "2+2"}, ""), ("python", {"code": "print(1)"}, "")]
+    assert fmt.parse("The answer is 4.", tools) == []
+    bad = {
+        "<tool_call>{'name': 'calculator'}</tool_call>": "not valid JSON",
+        '<tool_call>["calculator"]</tool_call>': 'with a "name"',
+        '<tool_call>{"name": "search", "arguments": {}}</tool_call>': "there is no tool 'search'",
+        '<tool_call>{"name": "calculator", "arguments": {"expr': "without its </tool_call>",
+    }
+    for text, message in bad.items():
+        (call,) = fmt.parse(text, tools)
+        assert call.arguments is None and message in call.error
+
+
+def test_tiny_calls_end_with_equals():
+    fmt = TinyFormat({"calculator": "expression", "python": "code"})
+    tools = ["calculator", "python"]
+    assert fmt.parse("37*48+19=", tools)[0].arguments == {"expression": "37*48+19"}
+    (call,) = fmt.parse("python:print(1)=", tools)
+    assert (call.name, call.arguments) == ("python", {"code": "print(1)"})
+    assert fmt.parse("1795", tools) == []
+    assert "no argument" in fmt.parse("=", tools)[0].error
+
+
+def test_arguments_are_checked_against_the_schema():
+    calc = Calculator()
+    check_arguments(calc, {"expression": "1+1"})
+    for arguments, message in (({}, "'expression' is a required property"),
+                               ({"expression": 3}, "is not of type 'string'"),
+                               ({"expression": "1", "x": 1}, "Additional properties"),
+                               ("1+1", "must be a JSON object")):
+        with pytest.raises(ToolError, match=message):
+            check_arguments(calc, arguments)
+
+
+USER_TOOLS = '''
+import asyncio
+
+def lookup_price(item: str, quantity: int = 1) -> str:
+    """The price of some items in the shop.
+
+    Args:
+        item: the item's name
+        quantity: how many
+    """
+    return str({"apple": 3}.get(item, 0) * quantity)
+
+async def slow(seconds: float) -> str:
+    """Wait a while.
+
+    Args:
+        seconds: how long
+    """
+    await asyncio.sleep(seconds)
+    return "done"
+
+def undocumented(x):
+    return x
+'''
+
+
+def test_a_users_tools_load_from_a_file_with_schemas_from_their_docstrings(tmp_path):
+    path = tmp_path / "my_tools.py"
+    path.write_text(textwrap.dedent(USER_TOOLS))
+    tools = load_tools(["calculator", f"{path}:lookup_price", f"{path}:slow"], CFG)
+    assert list(tools) == ["calculator", "lookup_price", "slow"]
+    schema = openai_schema(tools["lookup_price"])["function"]
+    assert schema["description"] == "The price of some items in the shop."
+    assert schema["parameters"]["required"] == ["item"]
+    assert schema["parameters"]["properties"]["quantity"]["type"] == "integer"
+    assert asyncio.run(tools["lookup_price"].call({"item": "apple", "quantity": 2})) == "6"
+    assert asyncio.run(tools["slow"].call({"seconds": 0.01})) == "done"
+    with pytest.raises(ToolError, match="no result within 2 s"):
+        asyncio.run(tools["slow"].call({"seconds": 60}))
+    with pytest.raises(ValueError, match="docstring"):
+        load_tools([f"{path}:undocumented"], CFG)
+    with pytest.raises(ValueError, match="two tools are named 'calculator'"):
+        load_tools(["calculator", "calculator"], CFG)
+    with pytest.raises(ValueError, match="unknown tool 'calculater'.*Did you mean 'calculator'"):
+        load_tools(["calculater"], CFG)
+
+
+def test_guess_number_rewards_each_turn_and_ends_at_the_secret():
+    env = ENVIRONMENTS.get("guess_number")()
+    messages = env.reset({"ground_truth": "42", "prompt": None, "extra_info": {"low": 1,
+                                                                              "high": 100}})
+    assert messages == [{"role": "user", "content": "guess a number from 1 to 100: "}]
+    assert asyncio.run(step(env, "50")) == ("lower. ", -0.1, False)
+    assert asyncio.run(step(env, "i say 12")) == ("higher. ", -0.1, False)
+    assert asyncio.run(step(env, "no idea")) == ("say a number. ", -0.1, False)
+    assert asyncio.run(step(env, "42")) == ("correct", 1.0, True)
+
+
+def test_a_users_environment_loads_from_a_file(tmp_path):
+    path = tmp_path / "my_env.py"
+    path.write_text(textwrap.dedent('''
+        class Echo:
+            def reset(self, row):
+                return [{"role": "user", "content": "say hi"}]
+            async def step(self, text):
+                return text.upper(), 0.5, text == "hi"
+
+        class Broken:
+            def reset(self, row):
+                return []
+    '''))
+    env = load_environment(f"{path}:Echo")()
+    assert env.reset({}) == [{"role": "user", "content": "say hi"}]
+    assert asyncio.run(step(env, "hi")) == ("HI", 0.5, True)
+    with pytest.raises(TypeError, match="no step method"):
+        load_environment(f"{path}:Broken")
+    with pytest.raises(ValueError, match="unknown environment"):
+        load_environment("no_such_env")
