@@ -29,8 +29,8 @@ def test_the_tool_calc_example_trains_with_tool_calls_and_validates(tmp_path):
                 "actor/pg_loss", "actor/grad_norm", "multi_turn/observation_tokens_mean",
                 "val/tool_calc/score", "val/multi_turn/turns_mean"):
         assert key in last and math.isfinite(last[key]), key
-    # The random policy ends many turns with `=`: it calls the calculator from the first step.
-    assert history[0]["tools/calls_mean"] > 0 and history[0]["multi_turn/turns_mean"] > 1
+    # The random policy ends some turns with `=`: it calls the calculator from the first step.
+    assert history[0]["tools/calls_mean"] > 0 and history[0]["tools/errors"] > 0
     assert last["actor/rollout_logprob_gap"] < 1e-4
 
 

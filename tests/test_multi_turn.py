@@ -73,6 +73,15 @@ def rows(*prompts):
     return [{"prompt": [{"role": "user", "content": p}]} for p in prompts]
 
 
+def test_the_tiny_model_tokenizer_loaded_from_its_directory_keeps_spaces(tokenizer, tok):
+    # A tool's answer ends with a space (the tiny template's separator); transformers 5's
+    # AutoTokenizer would load the tiny qwen2 directory with Qwen2's pre-tokenizer and drop it.
+    text = "37*48+19=1795 guess a number from 1 to 100: "
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert ids == tok(text, add_special_tokens=False)["input_ids"] and len(ids) == len(text)
+    assert tokenizer.decode(ids) == text
+
+
 def test_a_tool_call_interleaves_policy_and_tool_tokens(tok):
     cfg = MultiTurnConfig(enable=True, tools=["calculator"], format="tiny", max_turns=3)
     loop = tiny_loop(tok, calculator_policy, cfg)
@@ -99,7 +108,7 @@ def test_a_malformed_call_is_answered_with_an_error_and_counted(tok):
     def policy(context):
         return "1+=" if context.endswith("x") else "no<eos>"
 
-    loop = tiny_loop(tok, policy, cfg)
+    loop = tiny_loop(tok, policy, cfg, width=96)
     out = loop.generate(rows("x"), torch.tensor([1]), SamplingParams(1.0), CPU)
     n = int(out.attention_mask[0].sum())
     text = tok.decode(out.responses[0, :n], skip_special_tokens=False)
@@ -176,15 +185,20 @@ def test_environment_rewards_land_on_the_last_token_of_their_turn(tok):
 
 # A Qwen2.5-style template (ChatML with the Hermes tool format) on a byte-level tokenizer.
 HERMES_TEMPLATE = (
-    "{%- if tools %}<|im_start|>system\nYou may call tools.\n<tools>"
-    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools><|im_end|>\n{%- endif %}"
+    "{%- if tools %}{{- '<|im_start|>system\\nYou may call tools.\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>' }}{%- endif %}"
     "{%- for message in messages %}"
     "{%- if message.role == 'tool' %}"
-    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}\n<|im_start|>user"
-    "{%- endif %}\n<tool_response>\n{{ message.content }}\n</tool_response>"
-    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}<|im_end|>{%- endif %}"
-    "{%- else %}\n<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>{%- endif %}"
-    "{%- endfor %}{%- if add_generation_prompt %}\n<|im_start|>assistant\n{%- endif %}")
+    "{%- if loop.index0 == 0 or messages[loop.index0 - 1].role != 'tool' %}"
+    "{{- '\\n<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>' }}"
+    "{%- endif %}"
+    "{%- else %}"
+    "{{- '\\n<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' }}"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '\\n<|im_start|>assistant\\n' }}{%- endif %}")
 
 
 def byte_tokenizer():
@@ -267,7 +281,8 @@ def test_real_backends_record_the_log_probs_training_recomputes_over_the_whole_c
         assert (out.response_mask <= out.attention_mask).all()
         with torch.no_grad():
             recomputed = response_logprobs(model, out.prompt_ids, out.prompt_mask, out.responses,
-                                           out.response_mask, attention_mask=out.attention_mask)
+                                           out.response_mask,
+                                           attention_mask=out.attention_mask).logprobs
         torch.testing.assert_close(recomputed, out.logprobs, atol=1e-4, rtol=1e-4)
         assert (out.logprobs[out.response_mask.bool()] < 0).all()
         responses[backend] = out.responses

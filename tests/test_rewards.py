@@ -386,10 +386,52 @@ def test_a_timeout_needs_worker_processes():
         RewardManager(timeout_s=1.0)
 
 
-def test_tool_calc_scores_the_last_number_of_the_whole_response():
+def test_tool_calc_scores_the_number_after_the_last_equals_sign():
     score = SCORERS.get("tool_calc")
-    assert score("37*48+19=1795 ", "1795") == 1.0                 # the calculator's answer stands
-    assert score("37*48+19=1795 1795", "1795") == 1.0
-    assert score("37*48+19=1795 12", "1795") < 1.0                # a later number overrides it
-    assert score("no number", "1795") == 0.0
-    assert score("1785", "1795") == pytest.approx(arith_score("1785", "1795"))
+    assert score("37*48+19=1795 ", "1795") == 1.0               # the calculator's answer
+    assert score("37*48+19=1795 done", "1795") == 1.0
+    assert score("1+1=2 37*48+19=1795 ", "1795") == 1.0         # the last call counts
+    # partial credit: 0.1 for a number, 0.8 * (the ratio, at most 1) squared
+    assert score("30*40+10=1210 ", "1795") == pytest.approx(0.1 + 0.8 * (1210 / 1795) ** 2)
+    assert score("x=3590", "1795") == pytest.approx(0.1 + 0.8 * 0.25)
+    assert score("37*48+19=1795 1=1 ", "1795") == pytest.approx(0.1 + 0.8 / 1795 ** 2)
+    assert score("x=-5", "1795") == pytest.approx(0.1)
+    for no_answer in ("1795", "37*48+19=", "=error: calculator: ...", ""):
+        assert score(no_answer, "1795") == 0.0, no_answer
+
+
+HANG_ONCE_FILE = textwrap.dedent(
+    """
+    import os
+    import time
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        try:   # the first sample scored hangs, whichever worker takes it
+            os.close(os.open(os.path.join(os.path.dirname(__file__), "hung"),
+                             os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return 0.5
+        while True:
+            time.sleep(1)
+    """
+)
+
+
+def test_a_training_step_goes_on_past_a_hanging_reward_and_counts_it(tmp_path):
+    from dagrl.config.loader import load_config
+    from dagrl.config.schema import Config
+    from dagrl.runtime.launch import launch
+
+    (tmp_path / "hang_once.py").write_text(HANG_ONCE_FILE)
+    cfg = load_config(Config, None, [
+        f"trainer.run_dir={tmp_path / 'run'}", "trainer.total_steps=2",
+        "logging.progress_bar=false", "trainer.torch_threads=1", "data.train_batch_size=2",
+        "actor.mini_batch_size=2",
+        "rollout.n=2", f"reward.custom_fn={tmp_path / 'hang_once.py'}:compute_score",
+        "reward.num_workers=1", "reward.timeout_s=5", "reward.error_score=-1"])
+    history = launch(cfg)
+    assert len(history) == 2
+    # step 1: one of the 4 samples hung and scored error_score; step 2 had none
+    assert history[0]["reward/timeouts"] == 1 and history[1]["reward/timeouts"] == 0
+    assert history[0]["reward/min"] == -1.0 and history[0]["reward/max"] == 0.5
+    assert history[1]["reward/min"] == history[1]["reward/max"] == 0.5

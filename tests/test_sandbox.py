@@ -99,7 +99,7 @@ def test_writes_outside_the_scratch_directory_fail_and_leave_the_host_untouched(
     try:
         shared.chmod(0o777)
         result = run(sandbox, f"import os\nprint(os.path.exists({str(shared)!r}))\n"
-                              f"open('/tmp/{name}', 'w').write('inside')")
+                              f"_ = open('/tmp/{name}', 'w').write('inside')")
         assert result.ok and result.output == "False"
         assert list(shared.iterdir()) == []
     finally:

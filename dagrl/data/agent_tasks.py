@@ -2,8 +2,9 @@
 
 - `tool-calc`: multi-step arithmetic, `a*b+c` with two-digit numbers, that a tiny model cannot
   do in its head and the `calculator` tool does exactly: the way to the right answer is to call
-  it and repeat its result. data_source `tool_calc` (scored on the final answer, partial credit
-  as `arith`). Prompts use only characters of the tiny models' vocabulary.
+  it on the problem. data_source `tool_calc` (scored on the final answer, the number after the
+  last `=`; partial credit by how close it is as a ratio). Prompts use only characters of the
+  tiny models' vocabulary.
 - `guess-number`: rows for the `guess_number` environment (the secret is the ground truth).
 
     dagrl data make tool-calc --out data/tool_calc
@@ -50,8 +51,8 @@ def _write(out_dir: str | Path, splits: dict[str, list[dict]], schema: pa.Schema
 def make_tool_calc(out_dir: str | Path, *, seed: int = 0, n_train: int = 4096,
                    n_test: int = 64, row_group_size: int = 256) -> dict[str, Path]:
     """`a*b+c` with a, b, c in [10, 99], distinct problems, shuffled with `seed`; the user
-    message is the expression (e.g. `37*48+19`), the ground truth its value. Returns
-    {"train": path, "test": path}."""
+    message is the expression and `=` (e.g. `37*48+19=`, like `arith`'s prompts), the ground
+    truth its value. Returns {"train": path, "test": path}."""
     check_int("n_train", n_train, 1)
     check_int("n_test", n_test, 0)
     check_int("row_group_size", row_group_size, 1)
@@ -65,7 +66,7 @@ def make_tool_calc(out_dir: str | Path, *, seed: int = 0, n_train: int = 4096,
     splits = {"train": problems[n_test:], "test": problems[:n_test]}
     return _write(out_dir, {
         split: [{"data_source": "tool_calc",
-                 "prompt": [{"role": "user", "content": f"{a}*{b}+{c}"}],
+                 "prompt": [{"role": "user", "content": f"{a}*{b}+{c}="}],
                  "ability": "arith",
                  "reward_model": {"style": "rule", "ground_truth": str(a * b + c)},
                  "extra_info": {"split": split, "index": i, "expression": f"{a}*{b}+{c}"}}

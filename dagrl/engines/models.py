@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import logging
 import os
 import shutil
@@ -186,7 +187,13 @@ def load_tokenizer(path: str, gguf_file: str = "") -> PreTrainedTokenizerBase:
     without a pad token, EOS stands in for it (as in verl and TRL)."""
     _check_model_dir(path, gguf_file)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    tok = AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
+    if not gguf_file and _declares_plain_tokenizer_json(path):
+        # transformers 5's AutoTokenizer swaps in the model type's tokenizer class (Qwen2's
+        # byte-level pre-tokenizer for the tiny qwen2 model, which drops its spaces) even when
+        # tokenizer_config.json asks for tokenizer.json as it is: honour that request.
+        tok = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+    else:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
     # Without tokenizer files transformers builds a near-empty tokenizer from the model type
     # instead of failing; it would encode every prompt to nothing.
     if not tok("a", add_special_tokens=False)["input_ids"]:
@@ -210,6 +217,23 @@ def load_tokenizer(path: str, gguf_file: str = "") -> PreTrainedTokenizerBase:
                        path, no_pad, tok.eos_token)
         tok.pad_token = tok.eos_token
     return tok
+
+
+# tokenizer_class values that mean "the tokenizer is tokenizer.json, no model-specific class".
+PLAIN_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
+def _declares_plain_tokenizer_json(path: str) -> bool:
+    """Whether `path` holds a tokenizer.json and a tokenizer_config.json whose tokenizer_class
+    is a plain one (what `write_tiny_model` saves)."""
+    config, tokenizer = Path(path) / "tokenizer_config.json", Path(path) / "tokenizer.json"
+    if not (config.is_file() and tokenizer.is_file()):
+        return False
+    try:
+        declared = json.loads(config.read_text()).get("tokenizer_class")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return declared in PLAIN_TOKENIZER_CLASSES
 
 
 def plain_config(config):

@@ -45,18 +45,39 @@ def arith_score(solution_str: str, ground_truth: str, extra_info: dict | None = 
     return 0.2 * digit_frac + 0.2 * length_score + 0.4 * position_match
 
 
-_INTEGER = re.compile(r"-?\d+")
+_AFTER_EQUALS = re.compile(r"\s*(-?\d+)")
 
 
 @SCORERS.register("tool_calc")
-def tool_calc_score(solution_str: str, ground_truth: str,
-                    extra_info: dict | None = None) -> float:
-    """The `tool-calc` agent task: the last integer of the response, scored like `arith`
-    (1 when exact, partial credit otherwise; 0 without a number). A multi-turn response is
-    decoded whole, as verl decodes it: the tools' results are part of it, so an answer the
-    calculator gave and the policy let stand counts."""
-    numbers = _INTEGER.findall(solution_str)
-    return arith_score(numbers[-1], ground_truth) if numbers else 0.0
+def tool_calc_score(solution_str: str, ground_truth: str, extra_info: dict | None = None) -> float:
+    """The `tool-calc` agent task: the final answer is the integer right after the response's
+    last `=` (`37*48+19=1795` -> 1795). The response is decoded whole, tool results included
+    (as verl decodes multi-turn responses); with the tiny models' tool-call format a policy
+    turn ending in `=` *is* a calculator call, so that integer is the calculator's answer to
+    the policy's last call, and the calculator is the only way to an exact answer.
+
+    With ``v`` the answer and ``g = int(ground_truth)`` (> 0)::
+
+        score = 1                                       if v == g
+        score = 0.1 + 0.8 * min(v / g, g / v) ** 2      if v > 0
+        score = 0.1                                     if v <= 0
+        score = 0                                       without an integer after a `=`
+
+    0.1 pays for a call that returned a number at all; the rest for how close the value is as
+    a ratio, which pays for putting the problem's own numbers into the call (its tens digits
+    alone give ~0.77 on average over the task) more than for a fixed call that ignores the
+    problem (the best constant averages ~0.40).
+    """
+    equals = solution_str.rfind("=")
+    found = _AFTER_EQUALS.match(solution_str, equals + 1) if equals >= 0 else None
+    if found is None:
+        return 0.0
+    value, target = int(found.group(1)), int(str(ground_truth).strip())
+    if value == target:
+        return 1.0
+    if value <= 0 or target <= 0:
+        return 0.1
+    return 0.1 + 0.8 * min(value / target, target / value) ** 2
 
 
 # ---------------------------------------------------------------------------------------------

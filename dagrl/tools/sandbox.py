@@ -94,14 +94,18 @@ def _cut(text: str, limit: int) -> str:
                                                           "characters cut]"
 
 
-async def _read_capped(stream: asyncio.StreamReader, limit: int) -> tuple[bytes, int]:
-    """Read a pipe to its end, keeping the first `limit` bytes: (kept, total bytes)."""
-    kept, total = bytearray(), 0
+TAIL_BYTES = 512
+
+
+async def _read_capped(stream: asyncio.StreamReader, limit: int) -> tuple[bytes, bytes]:
+    """Read a pipe to its end: (its first `limit` bytes, its last TAIL_BYTES bytes; the tail
+    tells how the code ended even when it printed much more)."""
+    kept, tail = bytearray(), b""
     while chunk := await stream.read(65536):
-        total += len(chunk)
         if len(kept) < limit:
             kept += chunk[:limit - len(kept)]
-    return bytes(kept), total
+        tail = (tail + chunk)[-TAIL_BYTES:]
+    return bytes(kept), tail
 
 
 class Sandbox:
@@ -155,20 +159,22 @@ class Sandbox:
             reading = asyncio.gather(_read_capped(proc.stdout, cap),
                                      _read_capped(proc.stderr, cap), proc.wait())
             try:
-                (out, _), (err, _), exit_code = await asyncio.wait_for(reading, lim.wall_time_s)
+                (out, _), (err, err_tail), exit_code = await asyncio.wait_for(
+                    reading, lim.wall_time_s)
                 timed_out = False
             except asyncio.TimeoutError:
                 # Killing the runner kills the namespace's init (its parent-death signal),
                 # and with it every process the code started.
                 os.killpg(proc.pid, signal.SIGKILL)
                 await proc.wait()
-                out, err, exit_code, timed_out = b"", b"", proc.returncode, True
+                out, err, err_tail, exit_code, timed_out = b"", b"", b"", proc.returncode, True
         finally:
             shutil.rmtree(root, ignore_errors=True)
         stdout, stderr = out.decode(errors="replace"), err.decode(errors="replace")
         if exit_code == SETUP_FAILED and "dagrl-sandbox:" in stderr:
             raise SandboxUnavailable(stderr.strip().split("dagrl-sandbox: ", 1)[1])
-        status = "wall_time" if timed_out else _classify(exit_code, stderr)
+        status = "wall_time" if timed_out else _classify(exit_code,
+                                                         err_tail.decode(errors="replace"))
         output = stdout + (("\n" if stdout and not stdout.endswith("\n") else "") + stderr
                            if stderr else "")
         return SandboxResult(status, _cut(output.strip("\n"), lim.max_output_chars), exit_code,
