@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from dagrl.config.loader import ConfigError, dump_yaml
@@ -61,7 +62,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         cfg = load_cli_config(ns.args)
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+        # Under torchrun every rank finds the same error: rank 0 says it (and torchrun's
+        # summary shows it, from the error file torchrun gives each worker).
+        if os.environ.get("RANK", "0") == "0":
+            print(f"config error: {err}", file=sys.stderr)
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            from dagrl.runtime.failures import Failure, write_elastic_error_file
+
+            write_elastic_error_file(Failure.of(err), None)
+            if os.environ.get("RANK", "0") != "0":
+                # torchrun stops every worker when one exits: let rank 0 say it first.
+                time.sleep(5.0)
         if ns.debug:
             raise
         return 2
@@ -86,13 +97,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _launch(cfg: Config, debug: bool) -> int:
     """Run in this process (one worker) or as the Ray driver; any failure is one line (and a
     hint saying where its traceback went)."""
-    from dagrl.runtime.failures import Failure, report
+    from dagrl.runtime.failures import Failure, Terminated, append_run_log, report
     from dagrl.runtime.launch import Outcome, launch
     from dagrl.runtime.ray_launcher import WorkerFailed
 
     outcome = Outcome()
     try:
         launch(cfg, outcome)
+    except Terminated as err:
+        message = "stopped by SIGTERM; the workers (and Ray) were shut down"
+        print(f"error: {message}", file=sys.stderr)
+        append_run_log(outcome.run_dir, message)
+        return int(err.code)
     except (Exception, KeyboardInterrupt) as err:
         failure = err.failure if isinstance(err, WorkerFailed) else Failure.of(err)
         # A bug (not a user error) with nowhere to log it: the traceback is all there is.

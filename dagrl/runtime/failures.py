@@ -14,12 +14,16 @@ and write it to torchrun's error file (so torchrun's summary names the cause too
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -82,8 +86,8 @@ class Failure:
 
     def line(self) -> str:
         where = f"rank {self.rank}: " if self.rank is not None else ""
-        after = (f" (after rank {self.cause_rank} failed)"
-                 if not self.first and self.cause_rank is not None else "")
+        after = (f" (after rank {self.cause_rank} failed)" if self.rank is not None
+                 and not self.first and self.cause_rank is not None else "")
         return f"error: {where}{self.kind}: {one_line(self.message)}{after}"
 
 
@@ -134,18 +138,42 @@ def claim_first_failure(rank: int, timeout_s: float = 2.0) -> int | None:
     when the store is gone with the rank that hosted it, None: each rank then counts itself as
     first (better two lines than none)."""
     try:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
+        store = _store(timeout_s)
+        if store is None:
             return None
-        store = dist.distributed_c10d._get_default_store()
-        store.set_timeout(timedelta(seconds=timeout_s))
         if store.add("dagrl/failed_ranks", 1) == 1:
             store.set("dagrl/first_failed_rank", str(rank))
             return rank
         return int(store.get("dagrl/first_failed_rank"))
     except Exception:   # noqa: BLE001 — reporting must never fail
         return None
+
+
+def _store(timeout_s: float):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    store.set_timeout(timedelta(seconds=timeout_s))
+    return store
+
+
+def mark_reported() -> None:
+    """The first failing rank has printed its error (see wait_reported)."""
+    with contextlib.suppress(Exception):
+        store = _store(2.0)
+        if store is not None:
+            store.set("dagrl/reported", "1")
+
+
+def wait_reported(timeout_s: float = 5.0) -> None:
+    """A rank that did not fail first waits (a little) for the first one to have printed:
+    torchrun stops every worker as soon as one exits, which could cut the reporter off."""
+    with contextlib.suppress(Exception):
+        store = _store(timeout_s)
+        if store is not None:
+            store.wait(["dagrl/reported"], timedelta(seconds=timeout_s))
 
 
 def write_elastic_error_file(failure: Failure, log: Path | None) -> None:
@@ -165,3 +193,33 @@ def write_elastic_error_file(failure: Failure, log: Path | None) -> None:
             json.dump(data, f)
     except OSError:
         pass
+
+
+class Terminated(SystemExit):
+    """SIGTERM reached the launching process: it unwinds like an exit (status 128 + 15), so
+    Ray is shut down and the run lock released on the way out."""
+
+
+@contextlib.contextmanager
+def sigterm_exits() -> Iterator[None]:
+    """While inside: SIGTERM raises `Terminated` in the main thread. Code that turns the
+    exception into one of its own on the way (Ray's `wait` raises SystemExit(1) when a signal
+    handler raises inside it) is overruled: what leaves the block is `Terminated`."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received: list[int] = []
+
+    def handler(signum, frame):
+        received.append(signum)
+        raise Terminated(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    except BaseException as err:
+        if received and not isinstance(err, Terminated):
+            raise Terminated(128 + received[0]) from err
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -15,10 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dagrl.config.schema import Config
-from dagrl.runtime.failures import Failure, log_failure, run_log_path
+from dagrl.runtime.failures import Failure, log_failure, run_log_path, sigterm_exits
 from dagrl.runtime.input_checks import check_inputs
 from dagrl.runtime.ray_launcher import WorkerFailed, launch_ray
-from dagrl.runtime.ray_session import sigterm_exits
 from dagrl.runtime.run_dir import prepare_run, resolve_run_dir, with_run_dir
 from dagrl.runtime.run_lock import RunLock, announce_takeover
 from dagrl.runtime.worker import Worker

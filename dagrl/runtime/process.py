@@ -2,8 +2,9 @@
 process group the environment describes, let rank 0 prepare the run directory, train.
 
 Under torchrun there is no dagrl driver, so `torchrun_main` does the driver's share too: the
-input checks (on every rank, before the group forms), the run-directory lock (rank 0), the
-watch on the launcher, and reporting — only the first failing rank prints its error.
+input checks (every rank, before anything is written), the run-directory lock (rank 0), the
+watch on the launcher, and reporting: only the first failing rank prints its error, and the
+others wait until it has (torchrun stops every worker as soon as one exits).
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ from pathlib import Path
 
 from dagrl.config.loader import from_dict, to_dict
 from dagrl.config.schema import Config
-from dagrl.runtime.distributed import env_world, init_distributed, shutdown
+from dagrl.runtime.distributed import DistContext, init_distributed, shutdown
 from dagrl.runtime.failures import (
     Failure,
     PeerFailed,
     claim_first_failure,
     log_failure,
+    mark_reported,
     report,
-    user_error_types,
+    wait_reported,
     write_elastic_error_file,
 )
 from dagrl.runtime.input_checks import check_inputs
@@ -40,15 +42,18 @@ class WorkerState:
     first: bool = True      # this rank's failure was the first in the group
     cause_rank: int | None = None   # the rank that failed first, when known
 
+    def claim(self, err: BaseException) -> None:
+        """After `err`, while the group's store is up: was this rank the first to fail?"""
+        peer = isinstance(err, PeerFailed)
+        self.cause_rank = None if peer else claim_first_failure(self.rank)
+        self.first = not peer and self.cause_rank in (None, self.rank)
 
-def run_worker_from_env(cfg: Config, *, take_lock: bool = False,
-                        state: WorkerState | None = None) -> list[dict[str, float]]:
-    """The body of every distributed worker process (torchrun or a Ray actor): join the group,
-    let rank 0 prepare the run (taking the run-directory lock when `take_lock`: under torchrun,
-    where no driver holds it), train. Returns the per-step metrics (the same on every rank)."""
-    state = state or WorkerState()
-    ctx = init_distributed(cfg.trainer.device)
-    state.rank = ctx.rank
+
+def run_worker(cfg: Config, ctx: DistContext, state: WorkerState,
+               take_lock: bool = False) -> list[dict[str, float]]:
+    """Let rank 0 prepare the run (taking the run-directory lock when `take_lock`: under
+    torchrun, where no driver holds it), then train. Returns the per-step metrics (the same on
+    every rank)."""
     lock: RunLock | None = None
     worker_lock: int | None = None
     try:
@@ -85,47 +90,57 @@ def run_worker_from_env(cfg: Config, *, take_lock: bool = False,
         # Only on success: after a failure the peers may never reach a barrier.
         ctx.barrier()
         return history
-    except BaseException as err:
-        # While the group's store is still up: was this rank the first to fail?
-        state.cause_rank = None if isinstance(err, PeerFailed) else \
-            claim_first_failure(ctx.rank)
-        state.first = not isinstance(err, PeerFailed) and state.cause_rank in (None, ctx.rank)
-        raise
     finally:
         if worker_lock is not None:
             os.close(worker_lock)
         if lock is not None:
             lock.release()
+
+
+def run_worker_from_env(cfg: Config, state: WorkerState | None = None) -> list[dict[str, float]]:
+    """A Ray actor's body: join the group the environment describes, run, leave the group. On
+    failure `state` says whether this rank failed first."""
+    state = state or WorkerState()
+    ctx = init_distributed(cfg.trainer.device)
+    state.rank = ctx.rank
+    try:
+        return run_worker(cfg, ctx, state)
+    except BaseException as err:
+        state.claim(err)
+        raise
+    finally:
         shutdown()
 
 
 def torchrun_main(cfg: Config, debug: bool) -> int:
     """One torchrun process, start to end; returns its exit status. Errors: one line, from the
     first failing rank only; every rank's traceback goes to the run log."""
-    rank = env_world()[0]
     watch_parent()   # torchrun killed -> this worker stops within 0.1 s
+    state = WorkerState(int(os.environ["RANK"]))
+    checked = False
     try:
-        check_inputs(cfg)
-    except user_error_types() as err:
-        # Every rank finds the same problem; rank 0 says it (torchrun's summary has it too).
-        failure = Failure.of(err)
-        write_elastic_error_file(failure, None)
-        if rank == 0:
-            report(failure, None, debug)
-        return 1
-    state = WorkerState(rank)
-    try:
-        run_worker_from_env(cfg, take_lock=True, state=state)
+        # The group first (it writes nothing): the ranks agree through it on who reports.
+        ctx = init_distributed(cfg.trainer.device)
+        check_inputs(cfg)   # every rank: the same answer, before anything is written
+        checked = True
+        run_worker(cfg, ctx, state, take_lock=True)
         return 0
     except BaseException as err:   # noqa: BLE001 — reported, then the process exits
         if orphaned():   # torchrun is gone: this error is the fallout, and nobody listens
             return ORPHANED_EXIT
-        failure = Failure.of(err, rank, first=state.first)
+        state.claim(err)
+        # An input refused by the checks is the same on every rank: no rank label.
+        failure = Failure.of(err, state.rank if checked else None, first=state.first)
         failure.cause_rank = state.cause_rank
         log = log_failure(state.run_dir, failure)
         write_elastic_error_file(failure, log)
         if failure.first and not failure.secondary:
             report(failure, log, debug)
-        elif debug:
-            print(failure.line(), file=sys.stderr)
+            mark_reported()
+        else:
+            if debug:
+                print(failure.line(), file=sys.stderr)
+            wait_reported()   # exiting first would let torchrun kill the reporter mid-line
         return 1
+    finally:
+        shutdown()

@@ -15,15 +15,14 @@ import contextlib
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from dagrl.runtime import reaper
+from dagrl.runtime.failures import sigterm_exits
 
 
 def _children(pid: int) -> set[int]:
@@ -48,27 +47,6 @@ def _start_reaper() -> subprocess.Popen | None:
                             start_new_session=True, text=True)
 
 
-class _Terminated(SystemExit):
-    """SIGTERM in the driver: unwinds like an exit, so Ray and the run lock are released."""
-
-
-@contextlib.contextmanager
-def sigterm_exits() -> Iterator[None]:
-    """While inside: SIGTERM raises `_Terminated` (exit status 143) in the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def handler(signum, frame):
-        raise _Terminated(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 @contextlib.contextmanager
 def ray_session(n_workers: int) -> Iterator[None]:
     """Ray for the duration of the block (see the module docstring)."""
@@ -80,7 +58,8 @@ def ray_session(n_workers: int) -> Iterator[None]:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
         try:
-            yield
+            with sigterm_exits():
+                yield
         finally:
             ray.shutdown()
         return
@@ -94,7 +73,10 @@ def ray_session(n_workers: int) -> Iterator[None]:
             started = sorted(_children(os.getpid()) - before - {reaper_proc.pid})
             reaper_proc.stdin.write(json.dumps(started) + "\n")
             reaper_proc.stdin.flush()
-        yield
+        # After ray.init: Ray's core installs a SIGTERM handler of its own that aborts the
+        # process (no finally, no shutdown); ours replaces it while the run lasts.
+        with sigterm_exits():
+            yield
     finally:
         if ray.is_initialized():
             # Let Ray's log monitor forward the workers' last lines before it stops.
