@@ -135,7 +135,8 @@ def torchrun_main(cfg: Config, debug: bool) -> int:
         log = log_failure(state.run_dir, failure)
         write_elastic_error_file(failure, log)
         if failure.first and not failure.secondary:
-            report(failure, log, debug)
+            # A bug (not a user error) with nowhere to log it: the traceback is all there is.
+            report(failure, log, debug or (log is None and not failure.user))
             mark_reported()
         else:
             if debug:

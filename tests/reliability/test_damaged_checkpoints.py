@@ -16,7 +16,13 @@ from dagrl.config.presets import load_run_config
 from dagrl.runtime.checkpoint import CheckpointError
 from dagrl.runtime.run_dir import prepare_run
 from dagrl.runtime.worker import Worker
-from tests.reliability.helpers import FAST, assert_one_error_line, dagrl_cmd, run
+from tests.reliability.helpers import (
+    FAST,
+    assert_one_error_line,
+    dagrl_cmd,
+    run,
+    torchrun_cmd,
+)
 
 VOLATILE = ("timing/", "throughput/", "memory/", "perf/")
 SHARD = Path("dcp") / "__0_0.distcp"
@@ -77,6 +83,23 @@ def test_resume_falls_back_to_the_previous_complete_checkpoint(finished, tmp_pat
     resumed = metrics(run_dir)
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
     assert resumed[:3] == finished[1]
+
+
+def test_two_workers_agree_to_fall_back(finished, tmp_path):
+    """Under torchrun rank 0 checks the manifest and every rank follows its verdict: both
+    ranks step back to step 2 together (here a 1-worker checkpoint resumed by 2 workers)."""
+    run_dir = copy_run(finished, tmp_path)
+    truncate(step_dir(run_dir, 3) / SHARD)
+    proc = run(torchrun_cmd(f"trainer.run_dir={run_dir}", *FAST, "trainer.save_every=1",
+                            "trainer.total_steps=4"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from step_00000002, the newest checkpoint that loads completely" in \
+        proc.stdout
+    assert "saved by 1 worker(s), now 2" in proc.stdout and "[rank" not in proc.stderr
+    resumed = metrics(run_dir)
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for key in ("reward/mean", "response/length/mean", "actor/pg_loss"):   # step 3 again
+        assert resumed[2][key] == pytest.approx(finished[1][2][key], rel=1e-4, abs=1e-6), key
 
 
 def test_no_loadable_checkpoint_is_one_error_line(finished, tmp_path):
