@@ -27,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import TextIO
 
 RUN_LOG = "dagrl.log"
 MAX_LINE = 600
@@ -121,7 +122,7 @@ def log_failure(run_dir: Path | str | None, failure: Failure) -> Path | None:
                                    f"failed:\n{body}")
 
 
-def report(failure: Failure, log: Path | None, debug: bool, stream=None) -> None:
+def report(failure: Failure, log: Path | None, debug: bool, stream: TextIO | None = None) -> None:
     """Print the failure for the user: one line, then a hint or (with --debug) the traceback."""
     stream = stream or sys.stderr
     print(failure.line(), file=stream)

@@ -57,12 +57,12 @@ class _RayWorker:
 
     def run(self, cfg_dict: dict, rank: int, world: int, master: tuple[str, int],
             beacon: tuple[str, int]) -> tuple[str, object]:
-        watch_driver(beacon)
-        # Ray gives each actor its own device (visible devices), so it is local rank 0.
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0",
-                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
         state = WorkerState(rank)
         try:
+            watch_driver(beacon)
+            # Ray gives each actor its own device (visible devices), so it is local rank 0.
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0",
+                              MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
             return "ok", run_worker_from_env(from_dict(Config, cfg_dict), state=state)
         except BaseException as err:   # noqa: BLE001 — returned to the driver, who reports it
             if orphaned():   # the driver is gone (the watchdog is ending this process)
@@ -152,8 +152,10 @@ def _run_workers(cfg: Config) -> list[dict[str, float]]:
             rank = pending.pop(done[0])
             try:
                 status, value = ray.get(done[0])
-            except Exception as err:   # RayActorError: the process is gone
+            except ray.exceptions.RayActorError as err:   # the process is gone
                 status, value = "failed", _died(rank, err, cfg.trainer.run_dir)
+            except Exception as err:   # noqa: BLE001 — Ray itself failed the call
+                status, value = "failed", Failure.of(err, rank)
             if status == "ok":
                 results[rank] = value
                 continue
