@@ -68,10 +68,11 @@ def run_worker(cfg: Config, ctx: DistContext, state: WorkerState,
         if ctx.rank == 0:
             try:
                 cfg = with_run_dir(cfg, resolve_run_dir(cfg))   # a default name is timed: once
-                state.run_dir = Path(cfg.trainer.run_dir)
-                if take_lock:
-                    lock = RunLock(state.run_dir).acquire()
+                run_dir = Path(cfg.trainer.run_dir)
+                if take_lock:   # refused: the directory is another run's, leave its log alone
+                    lock = RunLock(run_dir).acquire()
                     announce_takeover(lock)
+                state.run_dir = run_dir
                 resolved = prepare_run(cfg)
             except Exception as err:   # noqa: BLE001 — re-raised below, after the broadcast
                 error = err
