@@ -116,7 +116,13 @@ def test_second_run_on_a_live_directory_is_refused_and_a_dead_ones_lock_taken_ov
         assert second.returncode == 1
         assert_one_error_line(second, f"RunDirError: trainer.run_dir='{run_dir}' is in use by a "
                                       f"live run (pid {first.pid} on {socket.gethostname()}")
+        # the same under torchrun: rank 0 is refused, rank 1 follows quietly
+        second = run(torchrun_cmd(f"trainer.run_dir={run_dir}", *FAST))
+        assert second.returncode != 0 and "[rank" not in second.stderr
+        assert_one_error_line(second, f"is in use by a live run (pid {first.pid} on")
         assert (run_dir / "config.yaml").stat().st_mtime_ns == config_before
+        log = run_dir / "dagrl.log"   # the live run's log: the refused run wrote nothing there
+        assert not log.exists() or "rank 0 (pid" not in log.read_text()
         kill9(first.pid)
         first.wait()
         wait_for(lambda: not tree.alive(), 30, "the first run to end")
