@@ -186,3 +186,55 @@ def test_a_sandbox_that_cannot_be_built_says_why(monkeypatch):
                         lambda prefix: "/nonexistent/dagrl-sandbox-root")
     with pytest.raises(SandboxUnavailable, match="cannot set up the sandbox"):
         Sandbox(LIMITS).check()
+
+
+ESCAPES = {   # each row's code, and what its episode must read back
+    "network": ("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=5)",
+                "Network is unreachable"),
+    "write": ("open('/usr/escape-attempt', 'w').write('x')", "Read-only file system"),
+    "cpu": ("while True:\n    pass", "CPU time limit"),
+    "memory": ("x = []\nwhile True:\n    x.append(bytearray(10**7))", "ran out of memory"),
+    "fork": ("import os\nwhile True:\n    os.fork()", "the code "),
+    "ok": ("print(6 * 7)", "42"),
+}
+
+
+def test_a_rollout_whose_tool_code_tries_each_escape_reads_the_errors_and_goes_on(sandbox):
+    # One batch of episodes through the multi-turn loop (Hermes format, the python tool): each
+    # first turn runs one escape; every episode gets its error back as the tool's answer and
+    # takes its second turn, and the rollout returns.
+    import json
+
+    import torch
+
+    from dagrl.rollout.multi_turn import MultiTurnRollout
+    from dagrl.rollout.sampling import SamplingParams
+    from dagrl.tools import load_tools
+    from tests.test_multi_turn import ScriptedEngine, byte_tokenizer
+
+    tok = byte_tokenizer()
+
+    def policy(context: str) -> str:
+        if "</tool_response>" in context:
+            return "done<|im_end|>"
+        name = context.rsplit("<|im_start|>user\n", 1)[1].split("<|im_end|>")[0]
+        call = {"name": "python", "arguments": {"code": ESCAPES[name][0]}}
+        return f"<tool_call>{json.dumps(call)}</tool_call><|im_end|>"
+
+    cfg = MultiTurnConfig(enable=True, tools=["python"], max_turns=2, sandbox=LIMITS,
+                          max_tool_output_chars=4000)
+    loop = MultiTurnRollout(ScriptedEngine(tok, policy, [tok.eos_token_id]), tok, cfg,
+                            tools=load_tools(cfg.tools, cfg), env_factory=None,
+                            prompt_width=2000, response_width=2000,
+                            pad_token_id=tok.pad_token_id)
+    rows = [{"prompt": [{"role": "user", "content": name}]} for name in ESCAPES]
+    out = loop.generate(rows, torch.arange(len(rows)), SamplingParams(1.0), torch.device("cpu"))
+    for i, (name, (_, expected)) in enumerate(ESCAPES.items()):
+        text = tok.decode(out.responses[i, :int(out.attention_mask[i].sum())])
+        answer = text.split("<tool_response>\n", 1)[1].split("\n</tool_response>")[0]
+        assert expected in answer, (name, answer)
+        assert answer.startswith("error: python: the code ") == (name != "ok"), (name, answer)
+        assert text.endswith("done<|im_end|>"), name
+    assert out.turns.tolist() == [2.0] * len(ESCAPES)
+    assert out.tool_errors.tolist() == [1.0] * (len(ESCAPES) - 1) + [0.0]
+    assert sandbox_processes() == []

@@ -95,8 +95,8 @@ class PythonTool:
 
     async def call(self, arguments: dict) -> str:
         result = await self.sandbox.run(arguments["code"])
-        if not result.ok:
-            raise ToolError(result.message())
+        if not result.ok:   # the loop writes "error: " before a ToolError's message
+            raise ToolError("python: " + result.message().removeprefix("error: "))
         return result.output
 
 
