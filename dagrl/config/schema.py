@@ -113,8 +113,14 @@ class VLLMConfig:
     enable_prefix_caching: bool = True
     # Longest sequence vLLM plans for; 0: data.max_prompt_length + rollout.max_new_tokens.
     max_model_len: int = 0
+    # vLLM's own tensor parallelism over this many workers' GPUs. Not built yet (the rollout
+    # node would run on replicas of that many ranks holding the same prompts: the design is in
+    # docs/architecture.md); values > 1 are refused when the engine starts, on the CPU because
+    # its vLLM engines run one per worker here.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        _check(self.tensor_parallel_size > 0, "tensor_parallel_size must be > 0")
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
         _check(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb must be > 0")
         _check(self.max_model_len >= 0, "max_model_len must be >= 0 (0: derived)")
@@ -246,15 +252,38 @@ class ActorConfig(OptimConfig):
     # new sequence length may recompile once with dynamic shapes.
     compile: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # Tensor parallelism: each decoder layer's heads and MLP columns, the embedding and the LM
+    # head's vocabulary split over this many consecutive workers (engines/tensor_parallel.py);
+    # 1/tp of the parameters, gradients and AdamW state per rank on top of FSDP2's sharding.
+    # The reference and the critic use the same mesh.
+    tensor_parallel_size: int = 1
+    # Ulysses sequence parallelism: every sequence split over this many workers, which swap
+    # sequence shards for head shards around attention (engines/ulysses.py): 1/sp of a long
+    # sequence's activations per rank. tp x sp workers form one data-parallel replica, which
+    # holds the same samples on each of its ranks; trainer.n_workers / (tp x sp) replicas.
+    sequence_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check(self.tensor_parallel_size > 0, "tensor_parallel_size must be > 0")
+        _check(self.sequence_parallel_size > 0, "sequence_parallel_size must be > 0")
+        _check(self.model_parallel_size == 1 or not self.lora.rank,
+               "tensor_parallel_size / sequence_parallel_size > 1 with lora.rank > 0 is not "
+               "supported (peft wraps the linears the tensor-parallel plan shards)")
+        _check(self.model_parallel_size == 1 or not self.compile,
+               "tensor_parallel_size / sequence_parallel_size > 1 with compile=true is not "
+               "supported yet")
         _check(self.mini_batch_size > 0, "mini_batch_size must be > 0")
         _check(self.micro_batch_size > 0, "micro_batch_size must be > 0")
         _check(self.logits_chunk_tokens >= 0, "logits_chunk_tokens must be >= 0 (0: no chunks)")
         _check(self.max_tokens_per_micro_batch >= 0,
                "max_tokens_per_micro_batch must be >= 0 (0: micro_batch_size samples)")
         _check(self.ppo_epochs > 0, "ppo_epochs must be > 0")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Workers per data-parallel replica: tensor_parallel_size x sequence_parallel_size."""
+        return self.tensor_parallel_size * self.sequence_parallel_size
 
 
 @dataclass
@@ -438,9 +467,14 @@ class Config:
         _check(self.data.train_batch_size % self.actor.mini_batch_size == 0,
                f"actor.mini_batch_size ({self.actor.mini_batch_size}) must divide "
                f"data.train_batch_size ({self.data.train_batch_size})")
-        _check(self.actor.mini_batch_size % self.trainer.n_workers == 0,
+        a, workers = self.actor, self.trainer.n_workers
+        _check(workers % a.model_parallel_size == 0,
+               f"actor.tensor_parallel_size ({a.tensor_parallel_size}) x "
+               f"actor.sequence_parallel_size ({a.sequence_parallel_size}) must divide "
+               f"trainer.n_workers ({workers})")
+        _check(self.actor.mini_batch_size % workers == 0,
                f"actor.mini_batch_size ({self.actor.mini_batch_size}) must be divisible by "
-               f"trainer.n_workers ({self.trainer.n_workers})")
+               f"trainer.n_workers ({workers})")
         _check(self.rollout.backend != "vllm" or not self.model.gguf_file,
                "rollout.backend=vllm loads model.path as a safetensors directory; export the "
                "GGUF model to one first (model.gguf_file must be empty)")
@@ -464,7 +498,14 @@ class Config:
                f"profiler.ranks {p.ranks} must be < trainer.n_workers ({self.trainer.n_workers})")
 
     @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel replicas of the training layout: trainer.n_workers / (tp x sp)."""
+        return self.trainer.n_workers // self.actor.model_parallel_size
+
+    @property
     def mini_batch_samples_per_rank(self) -> int:
         """Samples per optimizer step on each worker: actor.mini_batch_size counts prompts over
-        all workers, each with rollout.n samples (actor and critic step on the same ones)."""
-        return self.actor.mini_batch_size * self.rollout.n // self.trainer.n_workers
+        all workers, each with rollout.n samples (actor and critic step on the same ones). The
+        ranks of one tensor/sequence-parallel replica step on the same samples, so this is per
+        replica."""
+        return self.actor.mini_batch_size * self.rollout.n // self.data_parallel_size
