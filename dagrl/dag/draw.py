@@ -34,7 +34,9 @@ def _colour(role: str) -> str:
 
 
 def _task_colour(task: Task) -> str:
-    return _colour(task.role) if task.kind == "node" else COLOURS[task.kind]
+    if task.kind == "node":
+        return _colour(task.role)
+    return COLOURS.get(task.kind, COLOURS["reshard"])   # replicate / unreplicate: moves too
 
 
 def _label(node_id: str, role: str) -> str:

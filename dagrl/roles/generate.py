@@ -15,7 +15,9 @@ from dagrl.roles.score import decode_responses
 from dagrl.rollout.sampling import SamplingParams, mix_seed
 
 
-@register_role("rollout", engines=("rollout", "actor"))
+@register_role("rollout", engines=("rollout", "actor"),
+               adds={"responses": "R int64", "response_mask": "R float32",
+                     "rollout_logprobs": "R float32", "sample_seed": "int64"})
 def rollout(ctx: NodeContext, batch: Batch) -> Batch:
     cfg = ctx.config.rollout
     n_prompts = len(batch)
@@ -41,7 +43,8 @@ def rollout(ctx: NodeContext, batch: Batch) -> Batch:
     return batch
 
 
-@register_role("greedy_baseline", engines=("rollout", "reward"))
+@register_role("greedy_baseline", engines=("rollout", "reward"),
+               adds={"baseline_scores": "float32"})
 def greedy_baseline(ctx: NodeContext, batch: Batch) -> Batch:
     """ReMax: the reward of the greedy response to each prompt, the baseline of its samples.
     Adds baseline_scores [prompts]; the rollout node repeats it with the prompt."""

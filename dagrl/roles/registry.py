@@ -18,8 +18,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,19 +45,31 @@ class Role:
     engines: tuple[str, ...] = ()
     # A training node: with several workers the planner rebalances tokens across ranks first.
     trains: bool = False
+    # Runs the actor / reference / critic model: under tensor or sequence parallelism the
+    # planner moves the batch into the replicated training layout first (dag/planner.py).
+    runs_model: bool = False
+    # Per-sample tensor fields the role adds, name -> "[P|R] dtype" (P: prompt width, R:
+    # response width, nothing: one value): what `dagrl plan` counts in the bytes of a move.
+    adds: Mapping[str, str] = field(default_factory=dict)
 
 
 ROLES: Registry[Role] = Registry("DAG role")
 
 
-def register_role(name: str, *, engines: Sequence[str] = (), trains: bool = False) -> Callable:
-    """Decorator registering `fn(ctx, batch) -> batch` as the role `name`."""
+def register_role(name: str, *, engines: Sequence[str] = (), trains: bool = False,
+                  runs_model: bool | None = None,
+                  adds: Mapping[str, str] | None = None) -> Callable:
+    """Decorator registering `fn(ctx, batch) -> batch` as the role `name`. `runs_model`
+    (default: `trains`): the node runs the actor / reference / critic model, so under
+    tensor or sequence parallelism every rank of a replica must hold its samples. `adds`: the
+    per-sample tensor fields it adds (see `Role.adds`)."""
     bad = [e for e in engines if e not in ENGINES]
     if bad:
         raise ValueError(f"role {name!r} asks for unknown engine(s) {bad}; known: {ENGINES}")
 
     def decorator(fn: Callable) -> Callable:
-        ROLES.add(name, Role(name, fn, tuple(engines), trains))
+        ROLES.add(name, Role(name, fn, tuple(engines), trains,
+                             trains if runs_model is None else runs_model, dict(adds or {})))
         return fn
 
     return decorator

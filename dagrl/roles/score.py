@@ -23,7 +23,8 @@ def decode_responses(tokenizer, responses: torch.Tensor, mask: torch.Tensor) -> 
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
-@register_role("reward", engines=("reward",))
+@register_role("reward", engines=("reward",),
+               adds={"scores": "float32", "token_level_scores": "R float32"})
 def reward(ctx: NodeContext, batch: Batch) -> Batch:
     texts = decode_responses(ctx.engines.tokenizer, batch["responses"], batch["response_mask"])
     sample_ids = [f"{uid}/{i}" for i, uid in enumerate(batch["uid"])]

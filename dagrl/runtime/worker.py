@@ -30,6 +30,7 @@ from dagrl.dag.planner import RankPlan, Task
 from dagrl.data.batch import Batch
 from dagrl.data.buffer import balance, reshard
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
+from dagrl.data.replicas import from_replicas, to_replicas
 from dagrl.device import is_host
 from dagrl.engines.bundle import build_engines
 from dagrl.engines.host_memory import release_freed_memory
@@ -44,7 +45,12 @@ from dagrl.roles.plan import engines_of, plan_for
 from dagrl.roles.registry import ROLES, NodeContext
 from dagrl.runtime.checkpoint import Checkpointer, Stateful, resolve_resume
 from dagrl.runtime.distributed import DistContext, create_layout_groups
-from dagrl.runtime.preflight import check_cpu_threads, check_mixed_precision, check_prompts
+from dagrl.runtime.preflight import (
+    check_cpu_threads,
+    check_mixed_precision,
+    check_model_parallel,
+    check_prompts,
+)
 from dagrl.runtime.validation import Validator
 
 
@@ -55,6 +61,11 @@ def _check_rollout_on_every_rank(plans: list[RankPlan]) -> None:
     if missing:
         raise ValueError(f"rollout.backend=vllm with several workers needs the rollout node on "
                          f"every rank; ranks {missing} have none (drop the node's options.ranks)")
+
+
+def _fingerprint(batch: Batch) -> tuple:
+    """What identifies a replica's samples: their number and group ids."""
+    return (len(batch), tuple(batch["uid"]) if "uid" in batch else ())
 
 
 class Worker:
@@ -103,6 +114,7 @@ class Worker:
         if is_host(self.device):
             check_cpu_threads(t.torch_threads, self.dist.local_world_size, self.log)
         check_mixed_precision(cfg.model.mixed_precision, self.device, self.log)
+        check_model_parallel(cfg)
         self.engines = build_engines(cfg, needed, self.device, world_size=self.world_size,
                                      log=self.log, tokenizer=tokenizer)
         if self.loader.dropped_per_epoch:
@@ -129,6 +141,7 @@ class Worker:
                                      self.device, self.dist.cpu_group,
                                      estimated_peak_gb=estimate or None)
         self.logger: RunLogger | None = None   # rank 0's, created when training starts
+        self._replicated: tuple = ()   # the training layout's samples when last balanced
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -140,7 +153,10 @@ class Worker:
         step_start = time.perf_counter()
         batch = self.run_tasks(self.plan.tasks, step, metrics)
         metrics.add_max("timing/step_s", time.perf_counter() - step_start)
-        metrics.add_sum("batch/samples", len(batch))
+        replicated = self.plan.tasks and self.plan.tasks[-1].group > 1
+        # A replica's samples count once, not on each of its ranks.
+        metrics.add_sum("batch/samples", len(batch)
+                        if not replicated or self.dist.is_replica_leader else 0)
         result = metrics.reduce(self.dist.cpu_group if self.dist.distributed else None)
         return self.observer.finish_step(step, result)
 
@@ -150,29 +166,64 @@ class Worker:
         batch = self.loader.next_batch().to(self.device)
         most = len(batch)
         for i, task in enumerate(tasks):
+            # The ranks of a replica compute the same node metrics: they count once.
+            sink = StepMetrics() if task.group > 1 else metrics
             with self.observer.measure(step, task, metrics):
                 if task.kind == "reshard":
                     batch = reshard(batch, task.src, task.dst, device=self.device)
+                elif task.kind == "replicate":
+                    batch = self._replicate(batch, task.group)
+                elif task.kind == "unreplicate":
+                    batch = from_replicas(batch, task.group, self.rank % task.group)
+                elif task.kind == "balance" and task.group > 1:
+                    batch = self._rebalance_replicas(batch, task.group)
                 elif task.kind == "balance":
                     batch = balance(batch, tuple(range(len(task.dst))),
                                     self.dist.group_for(task.dst), device=self.device)
                 else:
-                    ctx = self.node_context(task, step, metrics, upstream=tasks[:i])
+                    ctx = self.node_context(task, step, sink, upstream=tasks[:i],
+                                            step_metrics=metrics)
                     batch = ROLES.get(task.role).fn(ctx, batch)
                     if self.trim_host_memory:
                         release_freed_memory()
-            self.observer.count_flops(task, batch, metrics)
+            self.observer.count_flops(task, batch, sink)
+            if sink is not metrics and self.dist.is_replica_leader:
+                metrics.merge(sink)
             most = max(most, len(batch))
         # The most samples this rank held at any point: no rank should ever hold the global batch.
         metrics.add_max("batch/max_samples_per_rank", most)
         return batch
 
+    def _replicate(self, batch: Batch, group_size: int) -> Batch:
+        """Into the training layout (data/replicas.py); remembers what each replica got, so a
+        balance before the update can tell whether anything changed since."""
+        batch = to_replicas(batch, group_size, self.dist.replica_group, device=self.device)
+        self._replicated = _fingerprint(batch)
+        return batch
+
+    def _rebalance_replicas(self, batch: Batch, group_size: int) -> Batch:
+        """A balance in the training layout: back to shards and into balanced replicas again,
+        unless no replica's samples changed since they were balanced (one flag all-reduce)."""
+        changed = torch.tensor([float(_fingerprint(batch) != self._replicated)])
+        dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.dist.cpu_group)
+        if not changed.item():
+            return batch
+        return self._replicate(from_replicas(batch, group_size, self.rank % group_size),
+                               group_size)
+
     def node_context(self, task: Task, step: int, metrics: StepMetrics,
-                     upstream: tuple[Task, ...]) -> NodeContext:
+                     upstream: tuple[Task, ...],
+                     step_metrics: StepMetrics | None = None) -> NodeContext:
+        """`metrics`: where the node records; `step_metrics`: where the upstream tasks that
+        `ctx.more()` runs again record (default: the same)."""
+        again = metrics if step_metrics is None else step_metrics
+        # In the training layout a sum over the replicas counts each sample once: over the
+        # ranks at this rank's position in every replica.
+        group = self.dist.peer_group if task.group > 1 else self.dist.group_for(task.dst)
         return NodeContext(self.cfg, self.graph.node(task.node_id), step, self.rank,
                            self.world_size, self.engines, metrics,
-                           reduce_sum=self._reducer(self.dist.group_for(task.dst)),
-                           more=lambda: self.run_tasks(upstream, step, metrics))
+                           reduce_sum=self._reducer(group),
+                           more=lambda: self.run_tasks(upstream, step, again))
 
     def _reducer(self, group):
         if not self.dist.distributed:
