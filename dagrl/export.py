@@ -7,6 +7,9 @@ The result loads with `AutoModelForCausalLM.from_pretrained(DIR)` and `AutoToken
 weights are read from the checkpoint's DCP shards in one process, whatever the number of
 workers that wrote them; the model config and tokenizer come from the checkpoint's `hf/`. A
 LoRA actor's adapters (config in the checkpoint's `lora/`) are merged into the weights.
+
+The files read are first checked against the checkpoint's manifest (sizes and SHA-256 written
+at save): a damaged checkpoint is refused with the file named, never exported in part.
 """
 
 from __future__ import annotations
@@ -23,11 +26,15 @@ import torch
 from dagrl.engines.lora import ADAPTER_DIR, wrap_like_checkpoint
 from dagrl.engines.models import plain_config
 from dagrl.runtime.checkpoint import (
+    LOAD_ERRORS,
     STATE_FILE,
     CheckpointError,
+    first_line,
     latest_checkpoint,
+    list_checkpoints,
     single_process_quiet,
 )
+from dagrl.runtime.manifest import dcp_problem, manifest_problem
 
 
 def find_checkpoint(path: Path) -> Path:
@@ -42,6 +49,19 @@ def find_checkpoint(path: Path) -> Path:
                           "directory with checkpoints/step_<N>)")
 
 
+def verify_for_export(checkpoint: Path) -> None:
+    """The files an export reads (weights, HF config, tokenizer, adapters) match the manifest;
+    otherwise a CheckpointError naming the file (and an older checkpoint to try)."""
+    problem = manifest_problem(checkpoint, under=("dcp/", "hf/", f"{ADAPTER_DIR}/"))
+    if problem is None:   # written before manifests: the shards' sizes are still checked
+        problem = dcp_problem(checkpoint / "dcp")
+    if not problem:
+        return
+    older = [p for _, p in list_checkpoints(checkpoint.parent) if p.name < checkpoint.name]
+    hint = f"; the checkpoint before it is {older[-1]}" if older else ""
+    raise CheckpointError(f"checkpoint {checkpoint}: {problem}; not exported{hint}")
+
+
 def export_checkpoint(checkpoint: Path, out: Path, dtype: str | None = None) -> Path:
     """Write the actor of `checkpoint` to `out` as a HF model directory. `out` appears only
     when complete (written beside it, then renamed); an existing `out` is an error."""
@@ -52,17 +72,22 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str | None = None) -> 
     checkpoint, out = find_checkpoint(Path(checkpoint)), Path(out)
     if out.exists():
         raise FileExistsError(f"{out} already exists; choose a new --out directory")
+    verify_for_export(checkpoint)
     hf = checkpoint / "hf"
     if not (hf / "config.json").is_file():
         raise CheckpointError(f"{checkpoint}: no hf/config.json (this checkpoint holds no actor)")
-    config = plain_config(AutoConfig.from_pretrained(hf))   # (checkpoints before the fix)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    adapters = checkpoint / ADAPTER_DIR
-    if adapters.is_dir():   # a LoRA actor: load base + adapters, then merge them in
-        model = wrap_like_checkpoint(model, adapters)
-    state = {"actor": {"model": get_model_state_dict(model)}}
-    with single_process_quiet():
-        dcp.load(state, checkpoint_id=str(checkpoint / "dcp"), no_dist=True)
+    try:
+        config = plain_config(AutoConfig.from_pretrained(hf))   # (checkpoints before the fix)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        adapters = checkpoint / ADAPTER_DIR
+        if adapters.is_dir():   # a LoRA actor: load base + adapters, then merge them in
+            model = wrap_like_checkpoint(model, adapters)
+        state = {"actor": {"model": get_model_state_dict(model)}}
+        with single_process_quiet():
+            dcp.load(state, checkpoint_id=str(checkpoint / "dcp"), no_dist=True)
+    except LOAD_ERRORS as err:   # a checkpoint without a manifest (older) can still be damaged
+        raise CheckpointError(f"checkpoint {checkpoint}: cannot read the actor "
+                              f"({first_line(err)})") from err
     set_model_state_dict(model, state["actor"]["model"])
     if adapters.is_dir():
         model = model.merge_and_unload()

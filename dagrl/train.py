@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from collections.abc import Sequence
 
 from dagrl.config.loader import ConfigError, dump_yaml
@@ -67,52 +68,67 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--print-config", action="store_true",
                         help="print the resolved config and exit")
+    parser.add_argument("--debug", action="store_true",
+                        help="print tracebacks on the terminal (they always go to the run's "
+                             "dagrl.log)")
     parser.add_argument("args", nargs="*", help="[CONFIG.yaml] [key=value ...]")
     ns = parser.parse_args(argv)
     try:
         cfg = load_cli_config(ns.args)
     except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+        # Under torchrun every rank finds the same error: rank 0 says it (and torchrun's
+        # summary shows it, from the error file torchrun gives each worker).
+        if os.environ.get("RANK", "0") == "0":
+            print(f"config error: {err}", file=sys.stderr)
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            from dagrl.runtime.failures import Failure, write_elastic_error_file
+
+            write_elastic_error_file(Failure.of(err), None)
+            if os.environ.get("RANK", "0") != "0":
+                # torchrun stops every worker when one exits: let rank 0 say it first.
+                time.sleep(5.0)
+        if ns.debug:
+            raise
         return 2
     if ns.print_config:
         print(dump_yaml(cfg), end="")
         return 0
     from dagrl.runtime.distributed import env_world
-    from dagrl.runtime.launch import launch
-    from dagrl.runtime.process import run_worker_from_env
+    from dagrl.runtime.process import torchrun_main
 
-    user_errors = _user_errors()
     if env_world() is not None:   # started by torchrun: this process is one worker
-        run_worker_from_env(cfg)
+        code = torchrun_main(cfg, ns.debug)
         # Training is over and the process group is destroyed. Skip the interpreter's teardown:
         # some C++ thread left by torch's import machinery sometimes aborts the process there
         # ("terminate called without an active exception", ~1 run in 3 under pytest), which
         # torchrun reports as a failed run although every step and file was written.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
-    else:
-        try:
-            launch(cfg)
-        except user_errors as err:
-            # Bad input or a failed run: the message names the cause; a traceback adds noise.
-            print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
-            return 1
-    return 0
+        os._exit(code)
+    return _launch(cfg, ns.debug)
 
 
-def _user_errors() -> tuple[type[BaseException], ...]:
-    from dagrl.data.dataset import DatasetError
-    from dagrl.engines.models import TokenizerError
-    from dagrl.extras import MissingExtraError
-    from dagrl.rewards.manager import RewardError
-    from dagrl.rollout.server import ServerError
-    from dagrl.runtime.checkpoint import CheckpointError
+def _launch(cfg: Config, debug: bool) -> int:
+    """Run in this process (one worker) or as the Ray driver; any failure is one line (and a
+    hint saying where its traceback went)."""
+    from dagrl.runtime.failures import Failure, Terminated, append_run_log, report
+    from dagrl.runtime.launch import Outcome, launch
     from dagrl.runtime.ray_launcher import WorkerFailed
-    from dagrl.runtime.run_dir import RunDirError
 
-    return (ConfigError, DatasetError, TokenizerError, RewardError, CheckpointError, RunDirError,
-            WorkerFailed, MissingExtraError, ServerError, FileNotFoundError, FloatingPointError)
+    outcome = Outcome()
+    try:
+        launch(cfg, outcome)
+    except Terminated as err:
+        message = "stopped by SIGTERM; the workers (and Ray) were shut down"
+        print(f"error: {message}", file=sys.stderr)
+        append_run_log(outcome.run_dir, message)
+        return int(err.code)
+    except (Exception, KeyboardInterrupt) as err:
+        failure = err.failure if isinstance(err, WorkerFailed) else Failure.of(err)
+        # A bug (not a user error) with nowhere to log it: the traceback is all there is.
+        report(failure, outcome.log, debug or (outcome.log is None and not failure.user))
+        return 130 if isinstance(err, KeyboardInterrupt) else 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -160,9 +160,10 @@ def test_export_loads_in_transformers_and_generates_like_the_actor(tmp_path):
     assert "quantization_config" not in saved
     out = export_checkpoint(tmp_path / "run", tmp_path / "hf")
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
-    # a checkpoint written before that fix still exports a plain model
+    # a checkpoint written before that fix (and before manifests) still exports a plain model
     hf_config = next((tmp_path / "run").rglob("hf/config.json"))
     hf_config.write_text(json.dumps({**saved, "quantization_config": gguf}))
+    (hf_config.parent.parent / "manifest.json").unlink()
     old = export_checkpoint(tmp_path / "run", tmp_path / "hf-old")
     assert "quantization_config" not in json.loads((old / "config.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(out).eval()

@@ -373,9 +373,10 @@ class TrainerConfig:
     # CPU workers: after every node, hand the heap memory the node freed back to the OS (glibc
     # malloc_trim), so each node's peak adds to what is live rather than to the high-water
     # mark of all earlier nodes: for models of hundreds of MB and up (engines/host_memory.py).
-    # Blocks of 1 MiB and more are then mapped on their own and returned when freed, so the
-    # heap does not fragment within a node (SmolLM2 LoRA micro-batch: +0.29 vs +0.69 GiB RSS).
-    # Pages are faulted in again: 10-15% more update time. No effect on accelerators.
+    # Blocks of 1 MiB and more (8 MiB under mixed precision) are then mapped on their own and
+    # returned when freed, so the heap does not fragment within a node (SmolLM2 LoRA
+    # micro-batch: +0.29 vs +0.69 GiB RSS). Pages are faulted in again: 10-15% more update
+    # time. No effect on accelerators.
     trim_host_memory: bool = False
     # Validation every this many steps (and after the last); 0 disables. Needs data.val_files.
     val_every: int = 0

@@ -24,14 +24,12 @@ import pyarrow.parquet as pq
 import torch
 
 from dagrl.data.batch import Batch
+from dagrl.data.checks import check_rows, check_schema_types, prompt_problem
+from dagrl.data.errors import DatasetError
 
 REQUIRED_COLUMNS = ("data_source", "reward_model")
 LAYOUT_HINT = ("verl layout: the prompt column (data.prompt_key), data_source, "
                "reward_model{ground_truth}, optional extra_info")
-
-
-class DatasetError(ValueError):
-    """A dataset that cannot be used: the message names the file, column or row."""
 
 
 @dataclass(frozen=True)
@@ -51,11 +49,13 @@ class ParquetPrompts:
     """
 
     def __init__(self, files: Sequence[str], prompt_key: str = "prompt", cache_row_groups: int = 64,
-                 config_key: str = "data.train_files"):
+                 config_key: str = "data.train_files", text_ground_truth: bool = False):
         if not files:
             raise DatasetError(f"{config_key} is empty")
         self.files = [str(f) for f in files]
         self.prompt_key, self.config_key = prompt_key, config_key
+        # The built-in scorers need text ground truths; a user's reward function may take any.
+        self.text_ground_truth = text_ground_truth
         self.columns = [prompt_key, *REQUIRED_COLUMNS]
         self._optional: list[list[str]] = []   # per file: the optional columns it has
         self._groups: list[_RowGroup] = []
@@ -92,6 +92,7 @@ class ParquetPrompts:
                       if pa.types.is_struct(reward_type) else [])
             raise DatasetError(f"{path}: missing column reward_model.ground_truth; reward_model "
                                f"is {reward_type} with fields {fields} ({LAYOUT_HINT})")
+        check_schema_types(path, schema, self.prompt_key, self.text_ground_truth)
 
     def _open(self, fi: int) -> pq.ParquetFile:
         if fi not in self._handles:
@@ -119,12 +120,24 @@ class ParquetPrompts:
         except (OSError, pa.ArrowException) as err:   # a damaged page behind a valid footer
             raise DatasetError(f"{path}: not a readable parquet file: row group {group.index} is "
                                f"corrupt ({err})") from err
-        rows = table.to_pylist()
+        try:
+            rows = table.to_pylist()
+        except UnicodeDecodeError as err:   # a string column holding bytes that are not UTF-8
+            raise DatasetError(f"{path}: {_undecodable(table, group.start)} holds text that is "
+                               f"not valid UTF-8 ({err.reason}); re-encode the file's strings "
+                               "as UTF-8") from err
         self.row_groups_read += 1
         self._cache[key] = rows
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
         return rows
+
+    def check_sample(self, rows: int) -> dict[str, str]:
+        """Check the values of the first `rows` rows (data/checks.py): file, row and column of
+        the first bad value are named. Returns the data_sources seen (-> "file: row i")."""
+        indices = list(range(min(rows, len(self))))
+        return check_rows(zip(indices, self.read(indices), strict=True), self.prompt_key,
+                   self.text_ground_truth)
 
     def read(self, indices: Sequence[int]) -> list[dict]:
         """Rows at the given global indices, in that order; reads only their row groups."""
@@ -140,6 +153,18 @@ class ParquetPrompts:
             row["_file"] = self.files[group.file]
             out.append(row)
         return out
+
+
+def _undecodable(table: pa.Table, first_row: int) -> str:
+    """'column C, row R': where the first value that is not valid UTF-8 sits."""
+    for name in table.column_names:
+        column = table.column(name)
+        for i in range(len(column)):
+            try:
+                column[i].as_py()
+            except UnicodeDecodeError:
+                return f"column {name}, row {first_row + i},"
+    return f"row group starting at row {first_row}"
 
 
 def encode_prompt(tokenizer, messages: Any) -> list[int]:
@@ -263,9 +288,12 @@ class PromptLoader:
         mask = torch.zeros(len(rows), width, dtype=torch.long)
         for i, row in enumerate(rows):
             prompt = row[self.source.prompt_key]
-            if prompt is None:
-                raise DatasetError(f"{row['_file']}: row {int(row_ids[i])} (uid {uids[i]}) has "
-                                   f"no prompt ({self.source.prompt_key} is null)")
+            # Every row, not only the pre-flight's sample: bytes must never reach the tokenizer
+            # (a chat template renders them as "b'...'" and the run trains on that).
+            problem = prompt_problem(prompt, self.source.prompt_key)
+            if problem:
+                raise DatasetError(f"{row['_file']}: row {int(row_ids[i])} (uid {uids[i]}) "
+                                   f"{problem}")
             tokens = self._truncate(encode_prompt(self.tokenizer, prompt), row,
                                     int(row_ids[i]), uids[i])
             if tokens:   # left padding: the last prompt token sits in the last column

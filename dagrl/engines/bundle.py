@@ -24,7 +24,12 @@ from dagrl.config.schema import Config
 from dagrl.device import is_host
 from dagrl.engines.actor import ActorEngine
 from dagrl.engines.critic import CriticEngine, load_value_model
-from dagrl.engines.host_memory import keep_freed_memory, map_large_blocks
+from dagrl.engines.host_memory import (
+    LARGE_BLOCK,
+    LARGE_BLOCK_MIXED_PRECISION,
+    keep_freed_memory,
+    map_large_blocks,
+)
 from dagrl.engines.lora import ReferenceView, apply_lora, is_lora, plain_copy
 from dagrl.engines.mesh import build_train_mesh, parallelize_model
 from dagrl.engines.models import DTYPES, cast_copy, load_model, load_tokenizer
@@ -79,7 +84,8 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
         if cfg.trainer.keep_freed_memory:
             keep_freed_memory()
         if cfg.trainer.trim_host_memory:    # large blocks mapped on their own: no fragmentation
-            map_large_blocks()
+            map_large_blocks(LARGE_BLOCK if m.mixed_precision == "none"
+                             else LARGE_BLOCK_MIXED_PRECISION)
 
     def load(dtype: str = m.dtype) -> torch.nn.Module:
         return load_model(m.path, m.gguf_file, dtype, device, m.attn_implementation)

@@ -15,7 +15,7 @@ from dagrl.config.schema import CriticConfig
 from dagrl.data.batch import Batch
 from dagrl.engines.attention import resolve_attn_implementation
 from dagrl.engines.forward import batch_values, response_values
-from dagrl.engines.models import DTYPES, _check_model_dir, _disable_dropout
+from dagrl.engines.models import DTYPES, _disable_dropout, check_model_dir
 from dagrl.engines.train_engine import TrainEngine, token_mean
 from dagrl.observe.metrics import StepMetrics
 
@@ -24,7 +24,7 @@ def load_value_model(path: str, dtype: str, device: torch.device,
                      attn_implementation: str = "auto") -> torch.nn.Module:
     """A causal-LM checkpoint as a value model: the same backbone with a new scalar head
     (`*ForTokenClassification` with one label: one value per position)."""
-    _check_model_dir(path, "")
+    check_model_dir(path, "")
     model = AutoModelForTokenClassification.from_pretrained(
         path, num_labels=1, dtype=DTYPES[dtype], local_files_only=True,
         attn_implementation=resolve_attn_implementation(attn_implementation, device))

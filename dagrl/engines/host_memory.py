@@ -46,6 +46,11 @@ MMAP_THRESHOLD = 32 * 2**20
 # OS when freed, so the heap holds only small objects and cannot fragment (activations of a
 # 100M+ model are MiBs each). A fixed threshold also stops glibc's dynamic one from rising.
 LARGE_BLOCK = 2**20
+# The same under model.mixed_precision: autocast allocates a bfloat16 cast of each weight at
+# each use (0.2-3 MiB apiece, thousands a step), and faulting all of those in fresh made a
+# SmolLM2-135M bfloat16 step 17-22 s instead of 13.5-14.5 s; from 8 MiB up, 14 s at +0.25 GiB
+# peak (docs/performance.md).
+LARGE_BLOCK_MIXED_PRECISION = 8 * 2**20
 # Free memory at the top of the heap is returned to the OS only above this much (the largest
 # value mallopt's int takes, ~2 GiB).
 TRIM_THRESHOLD = 2**31 - 1

@@ -150,7 +150,8 @@ def resolve_builtin_model(path: str, out_root: str | Path, *, hidden_size: int, 
     return str(out)
 
 
-def _check_model_dir(path: str, gguf_file: str) -> None:
+def check_model_dir(path: str, gguf_file: str) -> None:
+    """A local model directory: it exists and holds config.json (or the named GGUF file)."""
     p = Path(path)
     if not p.is_dir():
         raise FileNotFoundError(f"model.path: {path!r} is not a directory (models are loaded "
@@ -181,7 +182,7 @@ def _unusable_token(tok: PreTrainedTokenizerBase, kind: str, vocab_size: int | N
 def load_tokenizer(path: str, gguf_file: str = "") -> PreTrainedTokenizerBase:
     """Load the tokenizer of a local model directory. It must have an EOS token the model knows;
     without a pad token, EOS stands in for it (as in verl and TRL)."""
-    _check_model_dir(path, gguf_file)
+    check_model_dir(path, gguf_file)
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     tok = AutoTokenizer.from_pretrained(path, local_files_only=True, **kwargs)
     # Without tokenizer files transformers builds a near-empty tokenizer from the model type
@@ -242,7 +243,7 @@ def load_model(path: str, gguf_file: str = "", dtype: str = "float32",
     """Load a HF causal LM from a local directory (safetensors, or a GGUF file inside it).
     `attn_implementation`: see `dagrl.engines.attention.resolve_attn_implementation`. The
     default device is the host."""
-    _check_model_dir(path, gguf_file)
+    check_model_dir(path, gguf_file)
     device = host_device() if device is None else device
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     hf_logging.disable_progress_bar()   # one bar per model load is noise in a training log

@@ -8,9 +8,15 @@ A checkpoint is a directory `<checkpoint_dir>/step_<step:08d>/`:
     rng/rank<r>.pt       each rank's torch / numpy / python RNG states
     hf/                  the model config and tokenizer, so `dagrl export` needs nothing else
 
+    manifest.json        size and SHA-256 of every file above (runtime/manifest.py)
+
 It is written under `.tmp-step_<step>` and renamed into place by rank 0 after every rank has
 finished: a directory named `step_*` is always complete, and a crash or a full disk mid-write
 leaves the previous checkpoints as they were. `keep_last` prunes the oldest after a commit.
+
+Loading checks the manifest first (rank 0, verdict shared), then loads; any failure is a
+`CheckpointError` naming the checkpoint and the file. `load_newest` (trainer.resume=auto) falls
+back to the next older checkpoint when one fails, and says so.
 
 Loading goes through DCP's resharding: model and optimizer state are saved with fully
 qualified names and each rank reads the slices its current FSDP layout needs, so a checkpoint
@@ -22,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -34,9 +41,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from dagrl.device import rng_state, set_rng_state
+from dagrl.runtime.manifest import dcp_problem, manifest_problem, write_manifest
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
@@ -44,6 +53,19 @@ STATE_FILE = "trainer_state.json"
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read; the message names the directory."""
+
+
+# What loading a damaged checkpoint raises: DCP wraps per-rank errors in CheckpointException,
+# a BaseException (so `except Exception` misses it); torch.load and json raise the usual ones.
+LOAD_ERRORS = (Exception, CheckpointException)
+
+
+def first_line(err: BaseException) -> str:
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    # CheckpointException's first lines list ranks and "Traceback ..."; its last is the cause.
+    text = lines[-1] if isinstance(err, CheckpointException) and lines else \
+        (lines[0] if lines else "")
+    return f"{type(err).__name__}: {text[:300]}"
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -97,9 +119,14 @@ class Checkpointer:
     """
 
     def __init__(self, root: Path, *, rank: int, keep_last: int,
-                 barrier: Callable[[], None]) -> None:
+                 barrier: Callable[[], None],
+                 broadcast: Callable[[Any], Any] = lambda obj: obj,
+                 all_ok: Callable[[bool], bool] = lambda ok: ok) -> None:
         self.root, self.rank, self.keep_last = Path(root), rank, keep_last
-        self.barrier = barrier
+        # `broadcast`: rank 0's object on every rank; `all_ok`: True on every rank iff every
+        # rank passed True. Identities for one worker. Ranks must agree on whether a load
+        # worked, or one would train while another falls back.
+        self.barrier, self.broadcast, self.all_ok = barrier, broadcast, all_ok
 
     # --- save ------------------------------------------------------------------------------
     def save(self, step: int, engines: dict[str, Stateful], trainer_state: dict,
@@ -138,6 +165,7 @@ class Checkpointer:
                 f"nothing was committed, the previous checkpoint "
                 f"({previous or 'none'}) is untouched") from error
         if self.rank == 0:
+            write_manifest(tmp)
             _commit(tmp, final)
             self._prune()
         self.barrier()
@@ -152,39 +180,102 @@ class Checkpointer:
     # --- load ------------------------------------------------------------------------------
     def load(self, path: Path, engines: dict[str, Stateful]) -> dict:
         """Load `path` into `engines` (resharding as needed) and this rank's RNG state; returns
-        the trainer state saved with it."""
+        the trainer state saved with it. Any failure, on any rank, is a CheckpointError on
+        every rank, naming the checkpoint and the file."""
         path = Path(path)
+        problem = self._problem(path) if self.rank == 0 else None
+        problem = self.broadcast(problem)
+        if problem:
+            raise CheckpointError(f"checkpoint {path}: {problem}")
+        error: CheckpointError | None = None
+        try:
+            trainer_state = self._load(path, engines)
+        except CheckpointError as err:
+            error = err
+        if not self.all_ok(error is None):
+            raise error or CheckpointError(f"checkpoint {path}: another rank could not load it")
+        return trainer_state
+
+    @staticmethod
+    def _problem(path: Path) -> str:
+        """What the manifest (or, for older checkpoints, DCP's metadata) says is damaged."""
+        problem = manifest_problem(path)
+        return dcp_problem(path / "dcp") if problem is None else problem
+
+    def _load(self, path: Path, engines: dict[str, Stateful]) -> dict:
         try:
             trainer_state = json.loads((path / STATE_FILE).read_text())
-        except (OSError, ValueError) as err:
-            raise CheckpointError(f"{path}: cannot read {STATE_FILE} ({err})") from err
-        missing = [name for name in engines if name not in trainer_state["schedulers"]]
+            saved = trainer_state["schedulers"]
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise CheckpointError(f"checkpoint {path}: cannot read {STATE_FILE} "
+                                  f"({first_line(err)})") from err
+        missing = [name for name in engines if name not in saved]
         if missing:
             raise CheckpointError(f"{path} holds no state for {missing} (it has "
-                                  f"{sorted(trainer_state['schedulers'])}); the graph now trains "
-                                  "a model the checkpointed run did not")
+                                  f"{sorted(saved)}); the graph now trains a model the "
+                                  "checkpointed run did not")
         state = {name: _engine_state(e) for name, e in engines.items()}
         try:
             with single_process_quiet():
                 dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=not dist.is_initialized())
-        except Exception as err:
-            raise CheckpointError(f"{path}: cannot load model/optimizer state ({err})") from err
-        for name, e in engines.items():
-            set_state_dict(e.model, e.optimizer, model_state_dict=state[name]["model"],
-                           optim_state_dict=state[name]["optim"])
-            e.scheduler.load_state_dict(trainer_state["schedulers"][name])
+        except LOAD_ERRORS as err:
+            raise CheckpointError(f"checkpoint {path}: cannot load the model/optimizer state in "
+                                  f"dcp/ ({first_line(err)})") from err
         rng_file = path / "rng" / f"rank{self.rank}.pt"
-        if rng_file.is_file():   # absent when resuming with more workers than were saved
-            set_rng_state(torch.load(rng_file, weights_only=False))
+        try:
+            # absent when resuming with more workers than were saved
+            rng = torch.load(rng_file, weights_only=False) if rng_file.is_file() else None
+            for name, e in engines.items():
+                set_state_dict(e.model, e.optimizer, model_state_dict=state[name]["model"],
+                               optim_state_dict=state[name]["optim"])
+                e.scheduler.load_state_dict(saved[name])
+        except LOAD_ERRORS as err:
+            raise CheckpointError(f"checkpoint {path}: cannot restore rng/{rng_file.name} or "
+                                  f"the schedulers ({first_line(err)})") from err
+        if rng is not None:
+            set_rng_state(rng)
         return trainer_state
+
+    def load_newest(self, engines: dict[str, Stateful],
+                    log: Callable[[str], None]) -> tuple[Path, dict] | None:
+        """`trainer.resume=auto`: the newest committed checkpoint that loads completely, after
+        saying why each newer one was skipped; None when there is none. Every checkpoint
+        failing is an error: starting over would silently discard the run."""
+        failed: list[str] = []
+        for _, path in reversed(list_checkpoints(self.root)):
+            try:
+                state = self.load(path, engines)
+            except CheckpointError as err:
+                failed.append(str(err))
+                log(f"checkpoint {path.name} cannot be used ({err}); trying the one before it")
+                continue
+            if failed:
+                log(f"resuming from {path.name}, the newest checkpoint that loads completely")
+            return path, state
+        if failed:
+            raise CheckpointError(f"no checkpoint under {self.root} loads completely (newest: "
+                                  f"{failed[0]}); move them away and set trainer.resume=never "
+                                  "to start over")
+        return None
+
+
+def _not_from_dcp(record: logging.LogRecord) -> bool:
+    return "distributed/checkpoint" not in record.pathname.replace(os.sep, "/")
 
 
 @contextlib.contextmanager
 def single_process_quiet():
-    """DCP warns on every call without a process group, which is how one worker runs."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+    """DCP warns on every call without a process group, which is how one worker runs; and on a
+    damaged checkpoint it logs the tracebacks of its fallbacks on the root logger before it
+    raises. The error we raise from its exception says what failed, in one line."""
+    root = logging.getLogger()
+    root.addFilter(_not_from_dcp)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            yield
+    finally:
+        root.removeFilter(_not_from_dcp)
 
 
 def _engine_state(e: Stateful) -> dict:

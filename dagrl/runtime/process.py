@@ -1,31 +1,89 @@
 """The body of every distributed worker process (a torchrun process or a Ray actor): join the
 process group the environment describes, let rank 0 prepare the run directory, train.
+
+Under torchrun there is no dagrl driver, so `torchrun_main` does the driver's share too: the
+input checks (every rank, before anything is written), the run-directory lock (rank 0), the
+watch on the launcher, and reporting: only the first failing rank prints its error, and the
+others wait until it has (torchrun stops every worker as soon as one exits).
 """
 
 from __future__ import annotations
 
+import os
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from dagrl.config.loader import from_dict, to_dict
 from dagrl.config.schema import Config
-from dagrl.runtime.distributed import init_distributed, shutdown
-from dagrl.runtime.run_dir import prepare_run, write_pid_file
+from dagrl.runtime.distributed import DistContext, init_distributed, shutdown
+from dagrl.runtime.failures import (
+    Failure,
+    PeerFailed,
+    claim_first_failure,
+    log_failure,
+    mark_reported,
+    report,
+    wait_reported,
+    write_elastic_error_file,
+)
+from dagrl.runtime.input_checks import check_inputs
+from dagrl.runtime.run_dir import prepare_run, resolve_run_dir, with_run_dir, write_pid_file
+from dagrl.runtime.run_lock import RunLock, announce_takeover, hold_worker_lock
+from dagrl.runtime.watchdog import ORPHANED_EXIT, orphaned, watch_parent
 from dagrl.runtime.worker import Worker
 
 
-def run_worker_from_env(cfg: Config) -> list[dict[str, float]]:
-    """The body of every distributed worker process (torchrun or a Ray actor): join the group,
-    let rank 0 prepare the run, train. Returns the per-step metrics (the same on every rank)."""
-    ctx = init_distributed(cfg.trainer.device)
+@dataclass
+class WorkerState:
+    """What the reporting of a worker's failure needs to know about how far it got."""
+    rank: int = 0
+    run_dir: Path | None = None
+    first: bool = True      # this rank's failure was the first in the group
+    cause_rank: int | None = None   # the rank that failed first, when known
+
+    def claim(self, err: BaseException) -> None:
+        """After `err`, while the group's store is up: was this rank the first to fail?"""
+        peer = isinstance(err, PeerFailed)
+        self.cause_rank = None if peer else claim_first_failure(self.rank)
+        self.first = not peer and self.cause_rank in (None, self.rank)
+
+
+def run_worker(cfg: Config, ctx: DistContext, state: WorkerState,
+               take_lock: bool = False) -> list[dict[str, float]]:
+    """Let rank 0 prepare the run (taking the run-directory lock when `take_lock`: under
+    torchrun, where no driver holds it), then train. Returns the per-step metrics (the same on
+    every rank)."""
+    lock: RunLock | None = None
+    worker_lock: int | None = None
     try:
         if ctx.world_size != cfg.trainer.n_workers:
             # The launcher's world size wins (torchrun --nproc-per-node); re-check the config.
             data = to_dict(cfg)
             data["trainer"]["n_workers"] = ctx.world_size
             cfg = from_dict(Config, data)
-        resolved = prepare_run(cfg) if ctx.rank == 0 else None
+        # Rank 0 prepares the run; if that fails, the others learn it here instead of waiting
+        # on a broadcast that never comes (and stay quiet: rank 0's error is the one shown).
+        resolved, error = None, None
+        if ctx.rank == 0:
+            try:
+                cfg = with_run_dir(cfg, resolve_run_dir(cfg))   # a default name is timed: once
+                run_dir = Path(cfg.trainer.run_dir)
+                if take_lock:   # refused: the directory is another run's, leave its log alone
+                    lock = RunLock(run_dir).acquire()
+                    announce_takeover(lock)
+                state.run_dir = run_dir
+                resolved = prepare_run(cfg)
+            except Exception as err:   # noqa: BLE001 — re-raised below, after the broadcast
+                error = err
         resolved = ctx.broadcast_object(resolved)
-        write_pid_file(Path(resolved.trainer.run_dir), ctx.rank)
+        if error is not None:
+            raise error
+        if resolved is None:
+            raise PeerFailed("rank 0 could not prepare the run directory")
+        state.run_dir = Path(resolved.trainer.run_dir)
+        worker_lock = hold_worker_lock(state.run_dir)
+        write_pid_file(state.run_dir, ctx.rank)
         history = Worker(resolved, ctx).train()
         # Every rank finishes its last collective before any rank tears its connections down:
         # a rank destroying its group while a peer still talks to it can abort the peer (seen
@@ -33,5 +91,58 @@ def run_worker_from_env(cfg: Config) -> list[dict[str, float]]:
         # Only on success: after a failure the peers may never reach a barrier.
         ctx.barrier()
         return history
+    finally:
+        if worker_lock is not None:
+            os.close(worker_lock)
+        if lock is not None:
+            lock.release()
+
+
+def run_worker_from_env(cfg: Config, state: WorkerState | None = None) -> list[dict[str, float]]:
+    """A Ray actor's body: join the group the environment describes, run, leave the group. On
+    failure `state` says whether this rank failed first."""
+    state = state or WorkerState()
+    ctx = init_distributed(cfg.trainer.device)
+    state.rank = ctx.rank
+    try:
+        return run_worker(cfg, ctx, state)
+    except BaseException as err:
+        state.claim(err)
+        raise
+    finally:
+        shutdown()
+
+
+def torchrun_main(cfg: Config, debug: bool) -> int:
+    """One torchrun process, start to end; returns its exit status. Errors: one line, from the
+    first failing rank only; every rank's traceback goes to the run log."""
+    watch_parent()   # torchrun killed -> this worker stops within 0.1 s
+    state = WorkerState(int(os.environ["RANK"]))
+    checked = False
+    try:
+        # The group first (it writes nothing): the ranks agree through it on who reports.
+        ctx = init_distributed(cfg.trainer.device)
+        check_inputs(cfg)   # every rank: the same answer, before anything is written
+        checked = True
+        run_worker(cfg, ctx, state, take_lock=True)
+        return 0
+    except BaseException as err:   # noqa: BLE001 — reported, then the process exits
+        if orphaned():   # torchrun is gone: this error is the fallout, and nobody listens
+            return ORPHANED_EXIT
+        state.claim(err)
+        # An input refused by the checks is the same on every rank: no rank label.
+        failure = Failure.of(err, state.rank if checked else None, first=state.first)
+        failure.cause_rank = state.cause_rank
+        log = log_failure(state.run_dir, failure)
+        write_elastic_error_file(failure, log)
+        if failure.first and not failure.secondary:
+            # A bug (not a user error) with nowhere to log it: the traceback is all there is.
+            report(failure, log, debug or (log is None and not failure.user))
+            mark_reported()
+        else:
+            if debug:
+                print(failure.line(), file=sys.stderr)
+            wait_reported()   # exiting first would let torchrun kill the reporter mid-line
+        return 1
     finally:
         shutdown()

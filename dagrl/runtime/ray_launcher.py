@@ -1,10 +1,13 @@
 """Start N workers as Ray actors, one per placement-group bundle (one device each).
 
 The driver holds no sample data: it reserves the bundles, starts the actors, tells them where
-rank 0 listens, and waits. If a worker fails, the others are stopped; with
-`trainer.max_restarts` > 0 all workers are started again and resume from the newest
-checkpoint (`trainer.resume=auto`), otherwise the error is raised here. `RAY_ADDRESS` set:
-join that cluster; otherwise start a local Ray instance.
+rank 0 listens, and waits. A worker does not raise into Ray: it returns a `Failure` record (so
+Ray prints no remote traceback), and the driver raises `WorkerFailed` with the first failing
+rank's record; the other workers are stopped. With `trainer.max_restarts` > 0 a failure that is
+not a user error (a worker killed, a crash) restarts all workers from the newest checkpoint
+(`trainer.resume=auto`); a user error would only fail again. Each worker watches the driver
+(runtime/watchdog.py) and stops at once if it dies. `RAY_ADDRESS` set: join that cluster;
+otherwise start a local Ray instance (runtime/ray_session.py).
 """
 
 from __future__ import annotations
@@ -19,12 +22,23 @@ from dagrl.config.loader import from_dict, to_dict
 from dagrl.config.schema import Config
 from dagrl.device import device_type, ray_actor_options, ray_bundle
 from dagrl.runtime.checkpoint import latest_checkpoint
-from dagrl.runtime.process import run_worker_from_env
-from dagrl.runtime.run_dir import resolve_run_dir
+from dagrl.runtime.failures import Failure, log_failure, one_line
+from dagrl.runtime.process import WorkerState, run_worker_from_env
+from dagrl.runtime.ray_session import ray_session
+from dagrl.runtime.watchdog import ORPHANED_EXIT, DriverBeacon, orphaned, watch_driver
+
+# After a failure that may be a consequence (a peer's socket closed), how long to wait for the
+# record of the rank that failed first, or for Ray to report a worker process dead.
+CAUSE_GRACE_S = 3.0
 
 
 class WorkerFailed(RuntimeError):
-    """A worker process raised or died; the message carries its rank and error."""
+    """A worker process raised or died; `failure` is the first failing rank's record."""
+
+    def __init__(self, failure: Failure) -> None:
+        self.failure = failure
+        super().__init__(f"worker rank {failure.rank} failed: {failure.kind}: "
+                         f"{one_line(failure.message)}")
 
 
 def _free_port() -> int:
@@ -41,37 +55,37 @@ class _RayWorker:
 
         return ray.util.get_node_ip_address(), _free_port()
 
-    def run(self, cfg_dict: dict, rank: int, world: int, master: tuple[str, int]) -> list[dict]:
-        # Ray gives each actor its own device (visible devices), so it is local rank 0.
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0",
-                          MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
-        return run_worker_from_env(from_dict(Config, cfg_dict))
+    def run(self, cfg_dict: dict, rank: int, world: int, master: tuple[str, int],
+            beacon: tuple[str, int]) -> tuple[str, object]:
+        state = WorkerState(rank)
+        try:
+            watch_driver(beacon)
+            # Ray gives each actor its own device (visible devices), so it is local rank 0.
+            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0",
+                              MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+            return "ok", run_worker_from_env(from_dict(Config, cfg_dict), state=state)
+        except BaseException as err:   # noqa: BLE001 — returned to the driver, who reports it
+            if orphaned():   # the driver is gone (the watchdog is ending this process)
+                os._exit(ORPHANED_EXIT)
+            failure = Failure.of(err, rank, first=state.first)
+            failure.cause_rank = state.cause_rank
+            log_failure(state.run_dir, failure)
+            return "failed", failure
 
 
 def launch_ray(cfg: Config) -> list[dict[str, float]]:
     """Run the workers; restart them all from the last checkpoint after a failure, at most
-    trainer.max_restarts times. Returns rank 0's metrics of the last attempt."""
-    import ray
-
-    # Every attempt must use the same run directory (and so the same checkpoints).
-    run_dir = resolve_run_dir(cfg)
-    cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, run_dir=str(run_dir)))
+    trainer.max_restarts times. Returns rank 0's metrics of the last attempt. `cfg` has its
+    run directory resolved (every attempt must use the same one, and so the same checkpoints)."""
     t = cfg.trainer
-    started_here = not ray.is_initialized()
-    if started_here:
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True)
-        else:
-            # A local instance: CPU workers may outnumber the cores (each is one process).
-            ray.init(num_cpus=max(t.n_workers, os.cpu_count() or 1), include_dashboard=False,
-                     log_to_driver=True)
-    try:
+    run_dir = Path(t.run_dir)
+    with ray_session(t.n_workers):
         restarts = 0
         while True:
             try:
                 return _run_workers(cfg)
             except WorkerFailed as err:
-                if restarts == t.max_restarts:
+                if restarts == t.max_restarts or err.failure.user:
                     raise
                 restarts += 1
                 last = latest_checkpoint(Path(t.checkpoint_dir or run_dir / "checkpoints"))
@@ -81,22 +95,40 @@ def launch_ray(cfg: Config) -> list[dict[str, float]]:
                 if t.resume != "auto":   # continue from what this run wrote, not the start
                     cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(
                         cfg.trainer, resume="auto"))
-    finally:
-        if started_here:
-            # Let Ray's log monitor forward the workers' last lines before it stops.
-            time.sleep(1.0)
-            ray.shutdown()
+
+
+def _died(rank: int, err: BaseException, run_dir: str) -> Failure:
+    """The record of a worker that ended without returning one (killed, out of memory)."""
+    failure = Failure(rank, "WorkerDied", "the worker process died (killed by a signal, or out "
+                      "of memory?); Ray's logs: /tmp/ray/session_latest/logs",
+                      f"{type(err).__name__}: {err}", user=False)
+    log_failure(run_dir, failure)
+    return failure
+
+
+def _cause(failures: list[Failure]) -> Failure:
+    """The failure to report: a rank's own user error, else a death (the others then fail on
+    its closed sockets), else the first rank to fail, else the first record received."""
+    for wanted in (lambda f: f.user and f.first and not f.secondary,
+                   lambda f: f.kind == "WorkerDied",
+                   lambda f: f.first and not f.secondary):
+        for f in failures:
+            if wanted(f):
+                return f
+    return failures[0]
 
 
 def _run_workers(cfg: Config) -> list[dict[str, float]]:
     """One attempt: a placement group, one actor per rank, wait for all; WorkerFailed if any
-    raises or dies (the others are killed: they would wait forever on the failed one)."""
+    fails or dies (the others are killed: they would wait forever on the failed one)."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     n = cfg.trainer.n_workers
     kind = device_type(cfg.trainer.device)
+    host = ray.util.get_node_ip_address() if os.environ.get("RAY_ADDRESS") else "127.0.0.1"
+    beacon = DriverBeacon(host)
     pg = placement_group([ray_bundle(kind) for _ in range(n)], strategy="PACK")
     ray.get(pg.ready())
     actor_cls = ray.remote(_RayWorker)
@@ -107,17 +139,35 @@ def _run_workers(cfg: Config) -> list[dict[str, float]]:
     try:
         master = ray.get(actors[0].address.remote())
         cfg_dict = to_dict(cfg)
-        pending = {actors[r].run.remote(cfg_dict, r, n, master): r for r in range(n)}
+        pending = {actors[r].run.remote(cfg_dict, r, n, master, beacon.address): r
+                   for r in range(n)}
         results: dict[int, list] = {}
+        failures: list[Failure] = []
+        deadline = None
         while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            if not done:
+                break
             rank = pending.pop(done[0])
             try:
-                results[rank] = ray.get(done[0])
-            except Exception as err:  # RayTaskError / RayActorError carry the remote traceback
-                raise WorkerFailed(f"worker rank {rank} failed: {err}") from err
+                status, value = ray.get(done[0])
+            except ray.exceptions.RayActorError as err:   # the process is gone
+                status, value = "failed", _died(rank, err, cfg.trainer.run_dir)
+            except Exception as err:   # noqa: BLE001 — Ray itself failed the call
+                status, value = "failed", Failure.of(err, rank)
+            if status == "ok":
+                results[rank] = value
+                continue
+            failures.append(value)
+            if value.user and value.first and not value.secondary:
+                break   # the cause itself: no need to wait for the consequences
+            deadline = deadline or time.monotonic() + CAUSE_GRACE_S
+        if failures:
+            raise WorkerFailed(_cause(failures))
         return results[0]
     finally:
         for actor in actors:
             ray.kill(actor)
         remove_placement_group(pg)
+        beacon.close()

@@ -24,6 +24,13 @@ def resolve_run_dir(cfg: Config) -> Path:
     return Path("runs") / f"{cfg.algorithm.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def with_run_dir(cfg: Config, run_dir: Path | str) -> Config:
+    """`cfg` with trainer.run_dir set (a default directory name holds the time: resolve it
+    once and pass the result on)."""
+    return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer,
+                                                                run_dir=str(run_dir)))
+
+
 def materialize_builtins(cfg: Config, run_dir: Path) -> Config:
     """Write `builtin:` models and datasets under run_dir and return the config pointing at them."""
     m = cfg.model

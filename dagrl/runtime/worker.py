@@ -43,14 +43,10 @@ from dagrl.observe.metrics import StepMetrics
 from dagrl.observe.observer import StepObserver
 from dagrl.roles.plan import engines_of, plan_for
 from dagrl.roles.registry import ROLES, NodeContext
-from dagrl.runtime.checkpoint import Checkpointer, Stateful, resolve_resume
+from dagrl.runtime.checkpoint import Checkpointer, CheckpointError, Stateful, resolve_resume
 from dagrl.runtime.distributed import DistContext, create_layout_groups
-from dagrl.runtime.preflight import (
-    check_cpu_threads,
-    check_mixed_precision,
-    check_model_parallel,
-    check_prompts,
-)
+from dagrl.runtime.failures import append_run_log
+from dagrl.runtime.preflight import check_cpu_threads, check_mixed_precision, check_prompts
 from dagrl.runtime.validation import Validator
 
 
@@ -114,7 +110,6 @@ class Worker:
         if is_host(self.device):
             check_cpu_threads(t.torch_threads, self.dist.local_world_size, self.log)
         check_mixed_precision(cfg.model.mixed_precision, self.device, self.log)
-        check_model_parallel(cfg)
         self.engines = build_engines(cfg, needed, self.device, world_size=self.world_size,
                                      log=self.log, tokenizer=tokenizer)
         if self.loader.dropped_per_epoch:
@@ -124,7 +119,9 @@ class Worker:
                                     self.device) if validates else None)
         self.checkpoint_root = Path(t.checkpoint_dir or self.run_dir / "checkpoints")
         self.checkpointer = Checkpointer(self.checkpoint_root, rank=self.rank,
-                                         keep_last=t.keep_last, barrier=self.dist.barrier)
+                                         keep_last=t.keep_last, barrier=self.dist.barrier,
+                                         broadcast=self.dist.broadcast_object,
+                                         all_ok=self.dist.all_true)
         # The plan's estimate, for the report beside the measured peak: the largest over ranks
         # (a rank without the actor reports 0), so every rank logs the same metrics.
         estimate = 0.0
@@ -146,6 +143,12 @@ class Worker:
     def log(self, message: str) -> None:
         if self.rank == 0:
             print(f"[dagrl] {message}", flush=True)
+
+    def log_event(self, message: str) -> None:
+        """A message that also belongs in the run's log (dagrl.log): checkpoint fallbacks."""
+        self.log(message)
+        if self.rank == 0:
+            append_run_log(self.run_dir, message)
 
     def run_step(self, step: int) -> dict[str, float]:
         """Run this rank's plan once; returns the step's metrics reduced over all ranks."""
@@ -303,12 +306,22 @@ class Worker:
 
     def resume(self) -> int:
         """Load the checkpoint `trainer.resume` selects; returns its step (0: none)."""
-        path = resolve_resume(self.cfg.trainer.resume, self.checkpoint_root)
-        if path is None:
-            return 0
-        state = self.checkpointer.load(path, self.stateful_engines())
+        resume = self.cfg.trainer.resume
+        if resume == "auto":   # the newest that loads completely, falling back past damage
+            found = self.checkpointer.load_newest(self.stateful_engines(), self.log_event)
+            if found is None:
+                return 0
+            path, state = found
+        else:
+            path = resolve_resume(resume, self.checkpoint_root)
+            if path is None:
+                return 0
+            state = self.checkpointer.load(path, self.stateful_engines())
         e = self.engines
-        self.loader.load_state_dict(state["loader"])
+        try:
+            self.loader.load_state_dict(state["loader"])
+        except ValueError as err:   # another dataset or batch size than the checkpointed run's
+            raise CheckpointError(f"checkpoint {path}: {err}") from err
         for name, version in state["versions"].items():
             getattr(e, name).version = version
         if e.kl_controller is not None and state["kl_controller"] is not None:

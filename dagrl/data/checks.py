@@ -1,0 +1,118 @@
+"""Type checks of a prompt dataset: its parquet schema, and the values of a sample of rows.
+
+Loading alone proves little: a `binary` message content decodes to `b'...'` inside the chat
+template and the run trains on garbage; an integer ground truth passes every column check and
+fails inside the scorer at the first reward, naming neither column nor file. These checks name
+the file, the column (as a path: `prompt[].content`, `reward_model.ground_truth`) and, for
+values, the row, before any model loads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pyarrow as pa
+
+from dagrl.data.errors import DatasetError
+
+TEXT_HINT = "expected UTF-8 text (a parquet string column)"
+
+
+def _is_text(t: pa.DataType) -> bool:
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _describe(t: pa.DataType) -> str:
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+        return f"{t} (raw bytes; decode them to text when writing the file)"
+    return str(t)
+
+
+def check_prompt_type(path: str, column: str, t: pa.DataType) -> None:
+    """A prompt column is text, or a list of chat messages whose `content` (and `role`, when
+    present) are text."""
+    if _is_text(t):
+        return
+    if pa.types.is_list(t) or pa.types.is_large_list(t):
+        item = t.value_type
+        if pa.types.is_struct(item) and item.get_field_index("content") >= 0:
+            for name in ("content", "role"):
+                if item.get_field_index(name) < 0:
+                    continue
+                ft = item.field(name).type
+                if not _is_text(ft) and not pa.types.is_null(ft):
+                    raise DatasetError(f"{path}: column {column}[].{name} is {_describe(ft)}; "
+                                       f"{TEXT_HINT}")
+            return
+    raise DatasetError(f"{path}: column {column} is {_describe(t)}; expected text or a list of "
+                       "chat messages {role, content} (verl layout)")
+
+
+def check_schema_types(path: str, schema: pa.Schema, prompt_key: str,
+                       text_ground_truth: bool) -> None:
+    """Column types, from the schema alone (no rows read). `text_ground_truth`: the built-in
+    scorers compare text, so reward_model.ground_truth must be a string column; a user's
+    reward.custom_fn may take any type."""
+    check_prompt_type(path, prompt_key, schema.field(prompt_key).type)
+    source = schema.field("data_source").type
+    if not _is_text(source) and not pa.types.is_null(source):
+        raise DatasetError(f"{path}: column data_source is {_describe(source)}; {TEXT_HINT}")
+    if text_ground_truth:
+        truth = schema.field("reward_model").type
+        gt = truth.field(truth.get_field_index("ground_truth")).type
+        if not _is_text(gt):
+            raise DatasetError(
+                f"{path}: column reward_model.ground_truth is {_describe(gt)}; the built-in "
+                "scorers compare text: write it as strings (e.g. '42'), or score with your "
+                "own reward.custom_fn")
+
+
+def prompt_problem(prompt: Any, prompt_key: str) -> str:
+    """Why a prompt value cannot be tokenized ("" when it can): null, bytes, a message without
+    text content."""
+    if prompt is None:
+        return f"has no prompt ({prompt_key} is null)"
+    if isinstance(prompt, str):
+        return ""
+    if isinstance(prompt, (bytes, bytearray)):
+        return f"has a prompt of raw bytes in {prompt_key}; {TEXT_HINT}"
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        return (f"has a prompt of type {type(prompt).__name__} in {prompt_key}; expected text "
+                "or a non-empty list of chat messages {role, content}")
+    for i, message in enumerate(prompt):
+        if not isinstance(message, dict) or "content" not in message:
+            return f"has {prompt_key}[{i}] without a 'content' field"
+        content = message["content"]
+        if not isinstance(content, str):
+            what = "raw bytes" if isinstance(content, (bytes, bytearray)) else \
+                type(content).__name__
+            return f"has {prompt_key}[{i}].content of {what}; {TEXT_HINT}"
+        role = message.get("role")
+        if role is not None and not isinstance(role, str):
+            return f"has {prompt_key}[{i}].role of {type(role).__name__}; {TEXT_HINT}"
+    return ""
+
+
+def check_rows(rows: Iterable[tuple[int, dict]], prompt_key: str,
+               text_ground_truth: bool) -> dict[str, str]:
+    """Values of (global row index, row) pairs read by ParquetPrompts (each with its `_file`):
+    the first problem is raised, naming file, row and column. Returns each data_source seen,
+    with the file and row of its first appearance (for the caller's scorer check)."""
+    sources: dict[str, str] = {}
+    for index, row in rows:
+        where = f"{row['_file']}: row {index}"
+        problem = prompt_problem(row.get(prompt_key), prompt_key)
+        if problem:
+            raise DatasetError(f"{where} {problem}")
+        if not isinstance(row.get("data_source"), str):
+            raise DatasetError(f"{where} has data_source {row.get('data_source')!r}; "
+                               f"{TEXT_HINT}")
+        truth = (row.get("reward_model") or {}).get("ground_truth")
+        if text_ground_truth and not isinstance(truth, str):
+            raise DatasetError(f"{where} has reward_model.ground_truth {truth!r} "
+                               f"({type(truth).__name__}); the built-in scorers compare text")
+        sources.setdefault(row["data_source"], where)
+    return sources

@@ -1,0 +1,132 @@
+"""Everything about a run's inputs that can be checked without loading a model or writing a
+file, checked before the run directory is touched: the graph and its roles, the model
+directory and whether its heads split over the tensor / sequence-parallel sizes, the reward
+function, the datasets (schema, column types and the values of their first rows), and the run
+and checkpoint directories.
+
+`check_inputs` runs in the launching process (the Ray driver, the single worker) or on every
+torchrun rank before the process group forms, so a typo costs seconds, not a model load, and a
+refused run leaves nothing behind. Each error is one of the user-error types of
+runtime/failures.py and names the file, column, row, key or node.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from dagrl.config.loader import ConfigError
+from dagrl.config.schema import Config
+from dagrl.dag.spec import GraphError
+from dagrl.data.dataset import ParquetPrompts
+from dagrl.data.errors import DatasetError
+from dagrl.data.makers import MAKERS
+from dagrl.engines.models import (
+    BUILTIN_PREFIX,
+    PACKAGE_PREFIX,
+    TINY_FAMILIES,
+    check_model_dir,
+    package_dir,
+)
+from dagrl.registry import UnknownNameError
+from dagrl.rewards.custom import load_function
+from dagrl.rewards.scorers import SCORERS
+from dagrl.roles.plan import plan_for
+from dagrl.runtime.checkpoint import resolve_resume
+from dagrl.runtime.preflight import PREFLIGHT_ROWS, check_model_parallel
+from dagrl.runtime.run_dir import RunDirError
+
+
+def check_inputs(cfg: Config) -> None:
+    """Raise the first problem with `cfg`'s inputs; write nothing."""
+    check_graph(cfg)
+    check_model_source(cfg.model.path, cfg.model.gguf_file)
+    check_model_parallel(cfg)
+    check_reward(cfg)
+    t = cfg.trainer
+    check_datasets(cfg, "train_files")
+    if t.val_every > 0 or t.val_before_train:
+        check_datasets(cfg, "val_files")
+    run_dir = Path(t.run_dir or "runs")
+    check_dir_usable(run_dir, "trainer.run_dir")
+    check_dir_usable(Path(t.checkpoint_dir) if t.checkpoint_dir else run_dir / "checkpoints",
+                     "trainer.checkpoint_dir")
+    if t.resume not in ("auto", "never"):
+        resolve_resume(t.resume, run_dir / "checkpoints")   # an explicit path must be one
+
+
+def check_graph(cfg: Config) -> None:
+    """Import dag.modules, build the graph, validate it against the roles and plan it."""
+    try:
+        plan_for(cfg, cfg.trainer.n_workers)
+    except (GraphError, UnknownNameError, ConfigError):
+        raise
+    except FileNotFoundError as err:
+        raise GraphError(str(err)) from err
+    except Exception as err:   # a user module that fails to import: name it and the cause
+        raise ConfigError(f"dag.modules={cfg.dag.modules}: importing them failed "
+                          f"({type(err).__name__}: {err})") from err
+
+
+def check_model_source(path: str, gguf_file: str) -> None:
+    """model.path names an existing model: a known built-in, an installed package, or a local
+    directory with config.json (or the GGUF file)."""
+    if path.startswith(BUILTIN_PREFIX):
+        if path[len(BUILTIN_PREFIX):] not in TINY_FAMILIES:
+            raise ConfigError(f"model.path: unknown built-in model {path!r}; choose one of "
+                              + ", ".join(BUILTIN_PREFIX + f for f in TINY_FAMILIES))
+        return
+    check_model_dir(package_dir(path) if path.startswith(PACKAGE_PREFIX) else path, gguf_file)
+
+
+def check_reward(cfg: Config) -> None:
+    """reward.custom_fn imports and is callable (the workers import it again)."""
+    spec = cfg.reward.custom_fn
+    if not spec:
+        return
+    try:
+        load_function(spec)
+    except Exception as err:   # anything the user's file raises while it is imported
+        message = str(err) if spec in str(err) else f"{type(err).__name__}: {err}"
+        raise ConfigError(f"reward.custom_fn={spec!r}: cannot be imported: {message}") from err
+
+
+def check_datasets(cfg: Config, key: str) -> None:
+    """Open `data.<key>`'s files, check their schemas and the values of their first rows; with
+    the built-in scorers, also that each data_source of those rows has one."""
+    files = getattr(cfg.data, key)
+    builtin = [f for f in files if f.startswith(BUILTIN_PREFIX)]
+    for spec in builtin:   # written by prepare_run later: only the name can be checked now
+        if spec[len(BUILTIN_PREFIX):] not in MAKERS:
+            raise DatasetError(f"data.{key}: unknown built-in dataset {spec!r}; choose one of "
+                               f"{', '.join(BUILTIN_PREFIX + k for k in MAKERS)}")
+    files = [f for f in files if not f.startswith(BUILTIN_PREFIX)]
+    if not files and builtin:
+        return
+    r = cfg.reward
+    source = ParquetPrompts(files, cfg.data.prompt_key, config_key=f"data.{key}",
+                            text_ground_truth=not r.custom_fn)
+    seen = source.check_sample(PREFLIGHT_ROWS)
+    if not r.custom_fn and not r.scorer:
+        for data_source, where in seen.items():
+            if data_source not in SCORERS:
+                raise DatasetError(f"{where} has data_source {data_source!r}, which no reward "
+                                   f"scorer handles ({SCORERS.unknown_message(data_source)}); "
+                                   "set reward.custom_fn or reward.scorer to score it")
+
+
+def check_dir_usable(path: Path, key: str) -> None:
+    """`path` is a directory, or can be created as one, and can be written; nothing is created
+    (a refused run must leave no directory behind)."""
+    probe = path
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if not probe.is_dir():
+        what = "is a file" if probe == path else f"cannot be written: {str(probe)!r} is a file"
+        raise RunDirError(f"{key}={str(path)!r} {what}, not a directory; choose another path")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise RunDirError(f"{key}={str(path)!r} cannot be written ({str(probe)!r} is not "
+                          "writable); choose another directory")
+
