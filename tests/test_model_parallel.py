@@ -211,10 +211,18 @@ def test_config_and_model_checks_name_the_key():
         check_tensor_parallel(tiny_model_config("tiny-qwen2", 47, 64, 2), 2)
 
 
-def test_plan_refuses_a_mesh_the_model_cannot_split_and_vllm_tp_on_cpu(capsys):
+def test_plan_refuses_a_mesh_the_model_cannot_split_and_vllm_tp_on_cpu(capsys, tmp_path):
     from dagrl.cli import main
     from dagrl.config.presets import load_run_config
     from dagrl.rollout.vllm import VLLMRollout, VLLMSettings
+    from dagrl.runtime.input_checks import check_inputs
+
+    # a run is refused with the other input checks, before its directory is written
+    run_dir = tmp_path / "run"
+    with pytest.raises(ConfigError, match=r"actor.tensor_parallel_size=4 must divide"):
+        check_inputs(load_run_config(None, ["trainer.n_workers=4", f"trainer.run_dir={run_dir}",
+                                            "actor.tensor_parallel_size=4"]))
+    assert not run_dir.exists()
 
     # the pre-flight reads the model's config (2 heads) before anything loads
     assert main(["plan", "trainer.n_workers=4", "actor.tensor_parallel_size=4"]) == 2

@@ -113,10 +113,8 @@ class VLLMConfig:
     enable_prefix_caching: bool = True
     # Longest sequence vLLM plans for; 0: data.max_prompt_length + rollout.max_new_tokens.
     max_model_len: int = 0
-    # vLLM's own tensor parallelism over this many workers' GPUs. Not built yet (the rollout
-    # node would run on replicas of that many ranks holding the same prompts: the design is in
-    # docs/architecture.md); values > 1 are refused when the engine starts, on the CPU because
-    # its vLLM engines run one per worker here.
+    # vLLM's own tensor parallelism: designed (docs/architecture.md), not built; values > 1
+    # are refused when the engine starts (on the CPU vLLM engines run one per worker).
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -252,15 +250,13 @@ class ActorConfig(OptimConfig):
     # new sequence length may recompile once with dynamic shapes.
     compile: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
-    # Tensor parallelism: each decoder layer's heads and MLP columns, the embedding and the LM
-    # head's vocabulary split over this many consecutive workers (engines/tensor_parallel.py);
-    # 1/tp of the parameters, gradients and AdamW state per rank on top of FSDP2's sharding.
-    # The reference and the critic use the same mesh.
+    # Tensor parallelism: heads, MLP columns and the vocabulary split over this many
+    # consecutive workers on top of FSDP2 (engines/tensor_parallel.py); the reference and the
+    # critic use the same mesh.
     tensor_parallel_size: int = 1
-    # Ulysses sequence parallelism: every sequence split over this many workers, which swap
-    # sequence shards for head shards around attention (engines/ulysses.py): 1/sp of a long
-    # sequence's activations per rank. tp x sp workers form one data-parallel replica, which
-    # holds the same samples on each of its ranks; trainer.n_workers / (tp x sp) replicas.
+    # Ulysses sequence parallelism: every sequence split over this many workers
+    # (engines/ulysses.py). tp x sp workers form one data-parallel replica holding the same
+    # samples on each of its ranks; trainer.n_workers / (tp x sp) replicas.
     sequence_parallel_size: int = 1
 
     def __post_init__(self) -> None:
