@@ -12,6 +12,7 @@ import dagrl.roles.advantage
 import dagrl.roles.filter
 import dagrl.roles.forward
 import dagrl.roles.generate
+import dagrl.roles.model_reward
 import dagrl.roles.score
 import dagrl.roles.update  # noqa: F401
 from dagrl.config.schema import Config

@@ -35,7 +35,7 @@ if TYPE_CHECKING:   # `from dagrl import register_role` stays light: no torch, n
     from dagrl.observe.metrics import StepMetrics
 
 # Engines a role may ask for; the worker builds the union over the nodes it runs.
-ENGINES = ("actor", "critic", "ref", "rollout", "reward")
+ENGINES = ("actor", "critic", "ref", "rollout", "reward", "reward_model", "judge")
 
 
 @dataclass(frozen=True)
