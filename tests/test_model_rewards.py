@@ -14,8 +14,13 @@ from dagrl.config.loader import ConfigError
 from dagrl.config.model_rewards import JudgeConfig
 from dagrl.config.schema import Config
 from dagrl.data.dataset import encode_prompt
-from dagrl.engines.models import build_char_tokenizer, load_model, load_tokenizer
-from dagrl.engines.models import tiny_model_config, write_tiny_model
+from dagrl.engines.models import (
+    build_char_tokenizer,
+    load_model,
+    load_tokenizer,
+    tiny_model_config,
+    write_tiny_model,
+)
 from dagrl.engines.reward_model import (
     RewardModelEngine,
     RewardModelError,

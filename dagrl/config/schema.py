@@ -9,7 +9,7 @@ overrides (an unknown key or a wrong type is an error naming the key). Messages 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from dagrl.config.algorithm import (  # noqa: F401 (re-exported: the config's sections)
     OLD_POLICY_ESTIMATORS,
@@ -18,6 +18,7 @@ from dagrl.config.algorithm import (  # noqa: F401 (re-exported: the config's se
 )
 from dagrl.config.loader import ConfigError
 from dagrl.config.model_rewards import JudgeConfig, RewardModelConfig
+from dagrl.config.models import derive_model_configs
 from dagrl.device import DeviceChoice
 
 
@@ -439,6 +440,9 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    # More trained policies, each a partial config over the model sections above (see
+    # dagrl/config/models.py); graph nodes name them with `model:`.
+    models: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Cross-section checks: the batch must split evenly into mini-batches and workers.
@@ -464,6 +468,8 @@ class Config:
                or bool(self.data.val_files),
                "trainer.val_every / trainer.val_before_train need data.val_files")
         self._check_reward_source()
+        # Each extra model's full config, built (and checked) once.
+        self.derived_models: dict[str, Config] = derive_model_configs(self)
         p = self.profiler
         _check(not p.enable or max(p.steps) <= self.trainer.total_steps,
                f"profiler.steps {p.steps} lie beyond trainer.total_steps "

@@ -22,10 +22,11 @@ class Task:
     role: str = ""
     src: tuple[int, ...] = ()      # reshard: ranks holding the data before
     dst: tuple[int, ...] = ()      # reshard: ranks that must hold it after
+    model: str = ""                # node: the policy it uses ('' = the main one)
 
     def describe(self) -> str:
         if self.kind == "node":
-            return f"run {self.node_id} [{self.role}]"
+            return f"run {self.node_id} [{self.role}{' @' + self.model if self.model else ''}]"
         if self.kind == "balance":
             return f"balance tokens over {_ranks(self.dst)} (before {self.node_id})"
         return f"reshard {_ranks(self.src)} -> {_ranks(self.dst)} (before {self.node_id})"
@@ -69,7 +70,7 @@ def make_plan(graph: GraphSpec, order: list[str], world_size: int,
             layout = ranks
         if node.role in balance_roles and len(ranks) > 1:
             tasks.append(Task("balance", node_id, node.role, src=ranks, dst=ranks))
-        tasks.append(Task("node", node_id, node.role, dst=ranks))
+        tasks.append(Task("node", node_id, node.role, dst=ranks, model=node.model))
     # Reshards involve every rank; nodes and balances only the ranks of their layout.
     return [RankPlan(r, tuple(t for t in tasks if t.kind == "reshard" or r in t.dst))
             for r in everyone]
@@ -82,7 +83,8 @@ def format_plan(graph: GraphSpec, order: list[str], plans: list[RankPlan]) -> st
         node = graph.node(node_id)
         deps = ", ".join(node.deps) if node.deps else "-"
         opts = f"  {dict(node.options)}" if node.options else ""
-        lines.append(f"  {node.id:<14} role={node.role:<14} deps: {deps}{opts}")
+        model = f"  model={node.model}" if node.model else ""
+        lines.append(f"  {node.id:<14} role={node.role:<14} deps: {deps}{opts}{model}")
     for plan in plans:
         lines.append(f"rank {plan.rank}:")
         lines.extend(f"  {i}. {task.describe()}" for i, task in enumerate(plan.tasks, 1))

@@ -18,8 +18,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -79,6 +79,9 @@ class NodeContext:
     reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
     # Runs the nodes before this one again on fresh prompts (DAPO's dynamic sampling).
     more: Callable[[], Batch] | None = None
+    # The engines of the config's extra `models`, by name (roles/multi_model.py): what a
+    # node of the main policy needs to hand data to another model.
+    model_engines: Mapping[str, Engines] = field(default_factory=dict)
 
 
 def import_user_modules(modules: Sequence[str]) -> None:

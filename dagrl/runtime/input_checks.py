@@ -30,10 +30,10 @@ from dagrl.engines.models import (
 from dagrl.registry import UnknownNameError
 from dagrl.rewards.custom import load_function
 from dagrl.rewards.scorers import SCORERS
+from dagrl.rewards.tiny_reward_model import NAME as TINY_RM
 from dagrl.roles.plan import plan_for
 from dagrl.runtime.checkpoint import resolve_resume
 from dagrl.runtime.preflight import PREFLIGHT_ROWS
-from dagrl.rewards.tiny_reward_model import NAME as TINY_RM
 from dagrl.runtime.run_dir import RunDirError
 
 
@@ -41,6 +41,9 @@ def check_inputs(cfg: Config) -> None:
     """Raise the first problem with `cfg`'s inputs; write nothing."""
     check_graph(cfg)
     check_model_source(cfg.model.path, cfg.model.gguf_file)
+    for name, derived in cfg.derived_models.items():
+        check_model_source(derived.model.path, derived.model.gguf_file,
+                           section=f"models.{name}.model")
     if cfg.reward.source == "reward_model":
         check_model_source(cfg.reward_model.path, "", section="reward_model",
                            builtins=(TINY_RM,))

@@ -67,9 +67,18 @@ def materialize_builtins(cfg: Config, run_dir: Path) -> Config:
             path = MAKERS[name](out, seed=cfg.trainer.seed)[split]
         return str(path)
 
+    models = {}   # extra policies (config/models.py) whose own model.path is a built-in
+    for name, overlay in cfg.models.items():
+        own = cfg.derived_models[name].model
+        path = (overlay.get("model") or {}).get("path")
+        if path:
+            overlay = {**overlay, "model": {**overlay["model"], "path": resolve_builtin_model(
+                path, run_dir / "artifacts", hidden_size=own.tiny_hidden_size,
+                layers=own.tiny_layers, seed=cfg.trainer.seed)}}
+        models[name] = overlay
     d = cfg.data
     return dataclasses.replace(
-        cfg, model=dataclasses.replace(m, path=model_path),
+        cfg, model=dataclasses.replace(m, path=model_path), models=models,
         reward_model=dataclasses.replace(cfg.reward_model, path=resolve_builtin_reward_model(
             cfg.reward_model.path, run_dir / "artifacts", seed=cfg.trainer.seed)),
         judge=dataclasses.replace(cfg.judge, path=resolve_builtin_model(
