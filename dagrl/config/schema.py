@@ -9,7 +9,7 @@ overrides (an unknown key or a wrong type is an error naming the key). Messages 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from dagrl.config.algorithm import (  # noqa: F401 (re-exported: the config's sections)
     OLD_POLICY_ESTIMATORS,
@@ -17,6 +17,8 @@ from dagrl.config.algorithm import (  # noqa: F401 (re-exported: the config's se
     RolloutCorrectionConfig,
 )
 from dagrl.config.loader import ConfigError
+from dagrl.config.model_rewards import JudgeConfig, RewardModelConfig
+from dagrl.config.models import derive_model_configs
 from dagrl.device import DeviceChoice
 
 
@@ -317,6 +319,9 @@ class RefConfig:
 
 @dataclass
 class RewardConfig:
+    # Who scores the responses: `rule` (the fields below), `reward_model` (the reward_model
+    # section) or `judge` (the judge section); see dagrl/config/model_rewards.py.
+    source: Literal["rule", "reward_model", "judge"] = "rule"
     # `path/to/file.py:function` or `package.module:function`, verl's signature:
     # compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict.
     # Empty: the built-in scorer registered for each sample's data_source.
@@ -453,11 +458,16 @@ class Config:
     ref: RefConfig = field(default_factory=RefConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     dag: DagConfig = field(default_factory=DagConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    # More trained policies, each a partial config over the model sections above (see
+    # dagrl/config/models.py); graph nodes name them with `model:`.
+    models: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Cross-section checks: the batch must split evenly into mini-batches and workers.
@@ -487,12 +497,32 @@ class Config:
         _check(not (self.trainer.val_every or self.trainer.val_before_train)
                or bool(self.data.val_files),
                "trainer.val_every / trainer.val_before_train need data.val_files")
+        self._check_reward_source()
+        # Each extra model's full config, built (and checked) once.
+        self.derived_models: dict[str, Config] = derive_model_configs(self)
         p = self.profiler
         _check(not p.enable or max(p.steps) <= self.trainer.total_steps,
                f"profiler.steps {p.steps} lie beyond trainer.total_steps "
                f"({self.trainer.total_steps})")
         _check(not p.enable or all(r < self.trainer.n_workers for r in p.ranks),
                f"profiler.ranks {p.ranks} must be < trainer.n_workers ({self.trainer.n_workers})")
+
+    def _check_reward_source(self) -> None:
+        r = self.reward
+        _check(r.source != "reward_model" or bool(self.reward_model.path),
+               "reward.source=reward_model needs reward_model.path (a sequence-classification "
+               "model directory or builtin:tiny-digit-rm)")
+        _check(r.source != "judge" or bool(self.judge.path),
+               "reward.source=judge needs judge.path (a causal LM directory)")
+        _check(r.source == "rule" or not (r.custom_fn or r.scorer),
+               f"reward.custom_fn / reward.scorer score rule rewards, but reward.source is "
+               f"{r.source!r}; unset them or set reward.source=rule")
+        _check(r.source == "rule" or not self.algorithm.gdpo_reward_keys,
+               "algorithm.gdpo_reward_keys reads the rule scorer's reward components; "
+               "reward.source must be rule")
+        _check(r.source == "rule" or self.algorithm.name != "remax",
+               "algorithm.name=remax scores its greedy baseline with the rule scorers; "
+               "reward.source must be rule")
 
     @property
     def data_parallel_size(self) -> int:

@@ -41,11 +41,13 @@ class Task:
     group: int = 1                 # ranks per replica of the layout the task runs in / makes
     samples_in: float = 0.0        # moves: samples a rank receives at most (0: unknown)
     sample_bytes: int = 0          # moves: tensor bytes of one sample at this point
+    model: str = ""                # node: the policy it uses ('' = the main one)
 
     def describe(self) -> str:
         if self.kind == "node":
             where = f" on {len(self.dst) // self.group} replicas" if self.group > 1 else ""
-            return f"run {self.node_id} [{self.role}]{where}"
+            model = f" @{self.model}" if self.model else ""
+            return f"run {self.node_id} [{self.role}{model}]{where}"
         if self.kind == "balance":
             if self.group > 1:
                 text = (f"balance tokens over the {len(self.dst) // self.group} replicas of "
@@ -145,7 +147,8 @@ def make_plan(graph: GraphSpec, order: list[str], world_size: int,
         if node.role in balance_roles and n_parts > 1 and tasks and tasks[-1].kind != "replicate":
             tasks.append(Task("balance", node_id, node.role, src=ranks, dst=ranks,
                               group=replicated))
-        tasks.append(Task("node", node_id, node.role, dst=ranks, group=replicated))
+        tasks.append(Task("node", node_id, node.role, dst=ranks, group=replicated,
+                          model=node.model))
     if sizes is not None:
         tasks = [_with_volume(t, sizes, world_size) for t in tasks]
     # Moves involve every rank; nodes and balances only the ranks of their layout.
@@ -180,7 +183,8 @@ def format_plan(graph: GraphSpec, order: list[str], plans: list[RankPlan]) -> st
         node = graph.node(node_id)
         deps = ", ".join(node.deps) if node.deps else "-"
         opts = f"  {dict(node.options)}" if node.options else ""
-        lines.append(f"  {node.id:<14} role={node.role:<14} deps: {deps}{opts}")
+        model = f"  model={node.model}" if node.model else ""
+        lines.append(f"  {node.id:<14} role={node.role:<14} deps: {deps}{opts}{model}")
     for plan in plans:
         lines.append(f"rank {plan.rank}:")
         lines.extend(f"  {i}. {task.describe()}" for i, task in enumerate(plan.tasks, 1))

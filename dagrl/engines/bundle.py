@@ -34,9 +34,11 @@ from dagrl.engines.lora import ReferenceView, apply_lora, is_lora, plain_copy
 from dagrl.engines.mesh import build_train_mesh, parallelize_model
 from dagrl.engines.models import DTYPES, cast_copy, load_model, load_tokenizer
 from dagrl.engines.precision import store_linears_in_low_precision
+from dagrl.engines.reward_model import RewardModelEngine, load_reward_model
 from dagrl.engines.sharding import checkpoint_activations, compile_layers, shard_model
+from dagrl.rewards.judge import Judge
 from dagrl.rewards.manager import RewardManager
-from dagrl.rollout import RolloutEngine, build_rollout
+from dagrl.rollout import RolloutEngine, build_rollout, model_rollout
 from dagrl.rollout.sampling import logprob_temperature
 
 # The engines whose models live on the training mesh (tensor / sequence parallelism).
@@ -51,6 +53,8 @@ class Engines:
     rollout: RolloutEngine | None = None
     ref_model: torch.nn.Module | None = None
     reward_manager: RewardManager | None = None
+    reward_model: RewardModelEngine | None = None
+    judge: Judge | None = None
     kl_controller: FixedKLController | AdaptiveKLController | None = None
     log: Callable[[str], None] = field(default=print)
     synced_version: int = 0   # the actor version the rollout engines hold (the same on every rank)
@@ -168,6 +172,21 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
         r = cfg.reward
         engines.reward_manager = RewardManager(on_error=r.on_error, custom_fn=r.custom_fn,
                                                error_score=r.error_score, scorer=r.scorer)
+    if "reward_model" in needed:   # FSDP2-sharded over the workers (no tp/sp), never trained
+        rm = cfg.reward_model
+        engines.reward_model = RewardModelEngine(
+            shard_model(load_reward_model(rm.path, rm.dtype, device, m.attn_implementation),
+                        world_size, device.type),
+            load_tokenizer(rm.path), micro_batch_size=rm.micro_batch_size,
+            max_length=rm.max_length, device=device)
+    if "judge" in needed:   # a whole copy per rank, like the rollout engine
+        j = cfg.judge
+        judge_tokenizer = load_tokenizer(j.path, j.gguf_file)
+        engine = model_rollout(j.backend, load_model(j.path, j.gguf_file, j.dtype, device,
+                                                     m.attn_implementation).eval(),
+                               eos_token_id=judge_tokenizer.eos_token_id,
+                               pad_token_id=judge_tokenizer.pad_token_id)
+        engines.judge = Judge(j, engine, judge_tokenizer)
     algo = cfg.algorithm
     if algo.kl_in_reward:
         engines.kl_controller = (AdaptiveKLController(algo.kl_coef, algo.kl_target,

@@ -12,12 +12,14 @@ import dagrl.roles.advantage
 import dagrl.roles.filter
 import dagrl.roles.forward
 import dagrl.roles.generate
+import dagrl.roles.model_reward
+import dagrl.roles.multi_model
 import dagrl.roles.score
 import dagrl.roles.update  # noqa: F401
 from dagrl.config.schema import Config
 from dagrl.dag.builtin import BUILTIN_GRAPHS
 from dagrl.dag.planner import PlanSizes, RankPlan, make_plan
-from dagrl.dag.spec import GraphSpec, load_graph_yaml, validate_graph
+from dagrl.dag.spec import GraphError, GraphSpec, load_graph_yaml, validate_graph
 from dagrl.registry import Registry
 from dagrl.roles.registry import ROLES, Role, import_user_modules
 
@@ -42,6 +44,7 @@ def plan_for(cfg: Config, world_size: int) -> tuple[GraphSpec, list[str], list[R
     import_user_modules(cfg.dag.modules)
     graph = build_graph(cfg)
     order = validate_graph(graph, ROLES)
+    check_node_models(graph, cfg, world_size)
     trains = frozenset(name for name in ROLES if ROLES.get(name).trains)
     models = frozenset(name for name in ROLES if ROLES.get(name).runs_model)
     group = cfg.actor.model_parallel_size if world_size > 1 else 1
@@ -80,6 +83,26 @@ def plan_sizes(cfg: Config, graph: GraphSpec, order: list[str]) -> PlanSizes:
     return PlanSizes(counts, sizes)
 
 
-def engines_of(plan: RankPlan) -> set[str]:
-    """The engines (dagrl.roles.registry.ENGINES names) the nodes of one rank's plan use."""
-    return {e for t in plan.tasks if t.kind == "node" for e in ROLES.get(t.role).engines}
+def check_node_models(graph: GraphSpec, cfg: Config, world_size: int) -> None:
+    """Every node's `model` is one of the config's `models`, and an extra model's nodes run on
+    every rank (its weights are sharded over all of them, like the main policy's)."""
+    for node in graph.nodes:
+        if not node.model:
+            continue
+        if node.model not in cfg.models:
+            raise GraphError(f"graph {graph.name!r}: node {node.id!r} uses model {node.model!r}, "
+                             f"which the config's `models` does not define (models: "
+                             f"{sorted(cfg.models) or 'none'})")
+        ranks = node.options.get("ranks")
+        if ranks is not None and sorted(ranks) != list(range(world_size)):
+            raise GraphError(f"graph {graph.name!r}: node {node.id!r} of model {node.model!r} "
+                             f"has options.ranks {ranks}; extra models run on every rank (their "
+                             "weights are sharded over all workers) — placing them on a subset "
+                             "is not supported yet")
+
+
+def engines_of(plan: RankPlan, model: str = "") -> set[str]:
+    """The engines (dagrl.roles.registry.ENGINES names) of policy `model` ('' = the main one)
+    that the nodes of one rank's plan use."""
+    return {e for t in plan.tasks if t.kind == "node" and t.model == model
+            for e in ROLES.get(t.role).engines}

@@ -35,7 +35,7 @@ if TYPE_CHECKING:   # `from dagrl import register_role` stays light: no torch, n
     from dagrl.observe.metrics import StepMetrics
 
 # Engines a role may ask for; the worker builds the union over the nodes it runs.
-ENGINES = ("actor", "critic", "ref", "rollout", "reward")
+ENGINES = ("actor", "critic", "ref", "rollout", "reward", "reward_model", "judge")
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,9 @@ class NodeContext:
     reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
     # Runs the nodes before this one again on fresh prompts (DAPO's dynamic sampling).
     more: Callable[[], Batch] | None = None
+    # The engines of the config's extra `models`, by name (roles/multi_model.py): what a
+    # node of the main policy needs to hand data to another model.
+    model_engines: Mapping[str, Engines] = field(default_factory=dict)
 
 
 def import_user_modules(modules: Sequence[str]) -> None:

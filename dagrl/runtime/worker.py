@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dagrl.config.models import model_config
 from dagrl.config.schema import Config
 from dagrl.dag.planner import RankPlan, Task
 from dagrl.data.batch import Batch
@@ -41,6 +42,7 @@ from dagrl.observe.loggers import RunLogger, truncate_jsonl
 from dagrl.observe.memory import GB, host_rss_bytes
 from dagrl.observe.metrics import StepMetrics
 from dagrl.observe.observer import StepObserver
+from dagrl.roles.multi_model import PrefixedMetrics, merge_view, model_view, prefix_of
 from dagrl.roles.plan import engines_of, plan_for
 from dagrl.roles.registry import ROLES, NodeContext
 from dagrl.runtime.checkpoint import Checkpointer, CheckpointError, Stateful, resolve_resume
@@ -112,6 +114,11 @@ class Worker:
         check_mixed_precision(cfg.model.mixed_precision, self.device, self.log)
         self.engines = build_engines(cfg, needed, self.device, world_size=self.world_size,
                                      log=self.log, tokenizer=tokenizer)
+        # The config's extra policies (config/models.py), each with its own engines.
+        self.model_engines = {
+            name: build_engines(model_config(cfg, name), engines_of(self.plan, name),
+                                self.device, world_size=self.world_size, log=self.log)
+            for name in cfg.models}
         if self.loader.dropped_per_epoch:
             self.log(f"data: {self.loader.dropped_per_epoch} prompt(s) per epoch do not fill a "
                      f"batch of {d.train_batch_size} and are dropped (data.tail=drop)")
@@ -183,13 +190,19 @@ class Worker:
                 elif task.kind == "balance":
                     batch = balance(batch, tuple(range(len(task.dst))),
                                     self.dist.group_for(task.dst), device=self.device)
+                elif task.model:   # another policy's node: it sees its own fields
+                    ctx = self.node_context(task, step, sink, upstream=tasks[:i],
+                                            step_metrics=metrics)
+                    out = ROLES.get(task.role).fn(ctx, model_view(batch, task.model))
+                    batch = merge_view(batch, out, task.model, task.node_id)
                 else:
                     ctx = self.node_context(task, step, sink, upstream=tasks[:i],
                                             step_metrics=metrics)
                     batch = ROLES.get(task.role).fn(ctx, batch)
-                    if self.trim_host_memory:
-                        release_freed_memory()
-            self.observer.count_flops(task, batch, sink)
+                if task.kind == "node" and self.trim_host_memory:
+                    release_freed_memory()
+            if not task.model:   # FLOPs are counted for the main policy's model only
+                self.observer.count_flops(task, batch, sink)
             if sink is not metrics and self.dist.is_replica_leader:
                 metrics.merge(sink)
             most = max(most, len(batch))
@@ -218,15 +231,20 @@ class Worker:
                      upstream: tuple[Task, ...],
                      step_metrics: StepMetrics | None = None) -> NodeContext:
         """`metrics`: where the node records; `step_metrics`: where the upstream tasks that
-        `ctx.more()` runs again record (default: the same)."""
+        `ctx.more()` runs again record (default: the same). A node of an extra policy (`model`)
+        gets that policy's config and engines, and its metrics get the policy's prefix."""
         again = metrics if step_metrics is None else step_metrics
         # In the training layout a sum over the replicas counts each sample once: over the
         # ranks at this rank's position in every replica.
         group = self.dist.peer_group if task.group > 1 else self.dist.group_for(task.dst)
-        return NodeContext(self.cfg, self.graph.node(task.node_id), step, self.rank,
-                           self.world_size, self.engines, metrics,
+        m = task.model
+        return NodeContext(model_config(self.cfg, m), self.graph.node(task.node_id), step,
+                           self.rank, self.world_size,
+                           self.model_engines[m] if m else self.engines,
+                           PrefixedMetrics(metrics, prefix_of(m)) if m else metrics,
                            reduce_sum=self._reducer(group),
-                           more=lambda: self.run_tasks(upstream, step, again))
+                           more=lambda: self.run_tasks(upstream, step, again),
+                           model_engines=self.model_engines)
 
     def _reducer(self, group):
         if not self.dist.distributed:
@@ -276,19 +294,27 @@ class Worker:
         return self.validator.run().reduce(self.dist.cpu_group if self.dist.distributed else None)
 
     # --- checkpoints ---------------------------------------------------------------------------
-    def stateful_engines(self) -> dict[str, Stateful]:
+    def trained_engines(self) -> dict:
+        """The engines a checkpoint holds, by name: actor, critic, and `<model>:actor` /
+        `<model>:critic` of each extra policy."""
         out = {}
-        for name in ("actor", "critic"):
-            engine = getattr(self.engines, name)
-            if engine is not None:
-                out[name] = Stateful(engine.model, engine.optimizer, engine.scheduler)
+        bundles = {"": self.engines, **self.model_engines}
+        for model, engines in bundles.items():
+            for name in ("actor", "critic"):
+                engine = getattr(engines, name)
+                if engine is not None:
+                    out[f"{model}:{name}" if model else name] = engine
         return out
+
+    def stateful_engines(self) -> dict[str, Stateful]:
+        return {name: Stateful(e.model, e.optimizer, e.scheduler)
+                for name, e in self.trained_engines().items()}
 
     def save_checkpoint(self, step: int) -> Path:
         e = self.engines
         state = {"loader": self.loader.state_dict(), "world_size": self.world_size,
-                 "versions": {name: getattr(e, name).version
-                              for name in self.stateful_engines()},
+                 "versions": {name: engine.version
+                              for name, engine in self.trained_engines().items()},
                  "kl_controller": e.kl_controller.state_dict() if e.kl_controller else None}
         path = self.checkpointer.save(step, self.stateful_engines(), state,
                                       hf_files=self._write_hf_files)
@@ -322,12 +348,14 @@ class Worker:
             self.loader.load_state_dict(state["loader"])
         except ValueError as err:   # another dataset or batch size than the checkpointed run's
             raise CheckpointError(f"checkpoint {path}: {err}") from err
+        trained = self.trained_engines()
         for name, version in state["versions"].items():
-            getattr(e, name).version = version
+            trained[name].version = version
         if e.kl_controller is not None and state["kl_controller"] is not None:
             e.kl_controller.load_state_dict(state["kl_controller"])
-        e.synced_version = -1   # the rollout engines still hold the initial weights
-        e.sync_rollout_weights()
+        for engines in (e, *self.model_engines.values()):
+            engines.synced_version = -1   # the rollout engines still hold the initial weights
+            engines.sync_rollout_weights()
         step = int(state["step"])
         if self.rank == 0:
             truncate_jsonl(self.run_dir / "metrics.jsonl", step)
