@@ -30,13 +30,13 @@ from dagrl.engines.host_memory import (
     keep_freed_memory,
     map_large_blocks,
 )
+from dagrl.engines.judge import Judge
 from dagrl.engines.lora import ReferenceView, apply_lora, is_lora, plain_copy
 from dagrl.engines.mesh import build_train_mesh, parallelize_model
 from dagrl.engines.models import DTYPES, cast_copy, load_model, load_tokenizer
 from dagrl.engines.precision import store_linears_in_low_precision
 from dagrl.engines.reward_model import RewardModelEngine, load_reward_model
 from dagrl.engines.sharding import checkpoint_activations, compile_layers, shard_model
-from dagrl.rewards.judge import Judge
 from dagrl.rewards.manager import RewardManager
 from dagrl.rollout import RolloutEngine, build_rollout, model_rollout
 from dagrl.rollout.sampling import logprob_temperature
