@@ -165,9 +165,19 @@ class RolloutConfig:
     backend: Literal["auto", "native", "hf", "vllm", "server"] = "auto"
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    # trainer.mode=async only (docs/async.md). A batch is trained on at most this many updates
+    # after the policy version that generated its oldest token (0: on-policy, the two sides
+    # alternate).
+    max_staleness: int = 1
+    # Partial rollout: generate in chunks of partial_chunk_tokens; between chunks new weights
+    # are loaded and the generation continues with them (each token records its version).
+    partial: bool = False
+    partial_chunk_tokens: int = 16
 
     def __post_init__(self) -> None:
         _check(self.n > 0, "n must be > 0")
+        _check(self.max_staleness >= 0, "max_staleness must be >= 0 (0: on-policy)")
+        _check(self.partial_chunk_tokens > 0, "partial_chunk_tokens must be > 0")
         _check(self.val_n > 0, "val_n must be > 0")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids >= 0")
         _check(self.val_temperature >= 0, "val_temperature must be >= 0")
@@ -364,6 +374,10 @@ class TrainerConfig:
     # Ray launcher: when a worker dies, restart all workers from the last checkpoint this many
     # times before giving up.
     max_restarts: int = 0
+    # sync: every rank runs the whole graph each step. async: rollout and reward nodes run on
+    # one subset of the workers, the rest of the graph on the others, as two loops that meet in
+    # a buffer (rollout.max_staleness, rollout.partial; docs/async.md).
+    mode: Literal["sync", "async"] = "sync"
 
     def __post_init__(self) -> None:
         _check(self.total_steps > 0, "total_steps must be > 0")
@@ -457,6 +471,7 @@ class Config:
         _check(not (self.trainer.val_every or self.trainer.val_before_train)
                or bool(self.data.val_files),
                "trainer.val_every / trainer.val_before_train need data.val_files")
+        _check_async(self)
         p = self.profiler
         _check(not p.enable or max(p.steps) <= self.trainer.total_steps,
                f"profiler.steps {p.steps} lie beyond trainer.total_steps "
@@ -465,7 +480,27 @@ class Config:
                f"profiler.ranks {p.ranks} must be < trainer.n_workers ({self.trainer.n_workers})")
 
     @property
+    def is_async(self) -> bool:
+        return self.trainer.mode == "async"
+
+    @property
     def mini_batch_samples_per_rank(self) -> int:
         """Samples per optimizer step on each worker: actor.mini_batch_size counts prompts over
         all workers, each with rollout.n samples (actor and critic step on the same ones)."""
         return self.actor.mini_batch_size * self.rollout.n // self.trainer.n_workers
+
+
+def _check_async(cfg: Config) -> None:
+    """trainer.mode=async and what it does not support yet (docs/async.md)."""
+    r, t = cfg.rollout, cfg.trainer
+    _check(not r.partial or cfg.is_async, "rollout.partial needs trainer.mode=async")
+    if not cfg.is_async:
+        return
+    _check(t.n_workers >= 2, f"trainer.mode=async needs trainer.n_workers >= 2 (rollout and "
+                             f"training run on different workers), got {t.n_workers}")
+    _check(r.backend in ("auto", "native", "hf"),
+           f"trainer.mode=async supports rollout.backend auto, native or hf, not {r.backend}")
+    _check(not (t.val_every or t.val_before_train),
+           "trainer.mode=async does not validate yet: set trainer.val_every=0 and "
+           "trainer.val_before_train=false")
+    _check(cfg.profiler.enable is False, "trainer.mode=async does not run the profiler yet")

@@ -71,9 +71,11 @@ class Engines:
 
 def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
                   world_size: int = 1, log: Callable[[str], None] = print,
-                  tokenizer=None) -> Engines:
+                  tokenizer=None, dp_group: dist.ProcessGroup | None = None) -> Engines:
     """Build the engines in `needed` (names from dagrl.roles.registry.ENGINES); `tokenizer`:
-    the run's, when the caller has loaded it already (the worker does, for its pre-flight)."""
+    the run's, when the caller has loaded it already (the worker does, for its pre-flight);
+    `dp_group`: the ranks the trained models are sharded over when not all of them
+    (trainer.mode=async: the trainer ranks; `world_size` is then their number)."""
     m = cfg.model
     if is_host(device):                 # before any model is allocated (host_memory.py)
         if cfg.trainer.keep_freed_memory:
@@ -86,12 +88,18 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
         return load_model(m.path, m.gguf_file, dtype, device, m.attn_implementation)
 
     def shard(model: torch.nn.Module) -> torch.nn.Module:
-        return shard_model(model, world_size, device.type)
+        return shard_model(model, world_size, device.type, group=dp_group)
 
     if tokenizer is None:
         tokenizer = load_tokenizer(m.path, m.gguf_file)
     engines = Engines(tokenizer=tokenizer, log=log)
-    dp_group = dist.group.WORLD if world_size > 1 else None
+    # Samples per optimizer step on each rank: the mini-batch over the ranks that train.
+    mini_batch_samples = (cfg.mini_batch_samples_per_rank if dp_group is None else
+                          cfg.actor.mini_batch_size * cfg.rollout.n // world_size)
+    if dp_group is None:
+        dp_group = dist.group.WORLD if world_size > 1 else None
+    elif world_size == 1:
+        dp_group = None
     if "actor" in needed:
         actor_model = load()
         lora = cfg.actor.lora
@@ -104,7 +112,7 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
             compile_layers(actor_model)
         engines.actor = ActorEngine(shard(actor_model), cfg.actor, cfg.algorithm,
                                     temperature=logprob_temperature(cfg.rollout.temperature),
-                                    mini_batch_samples=cfg.mini_batch_samples_per_rank,
+                                    mini_batch_samples=mini_batch_samples,
                                     pack_sequences=m.pack_sequences,
                                     mixed_precision=m.mixed_precision, dp_group=dp_group)
     if "critic" in needed:
@@ -112,7 +120,7 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
                                         m.attn_implementation)
         engines.critic = CriticEngine(shard(critic_model), cfg.critic,
                                       loss_agg_mode=cfg.algorithm.loss_agg_mode,
-                                      mini_batch_samples=cfg.mini_batch_samples_per_rank,
+                                      mini_batch_samples=mini_batch_samples,
                                       pack_sequences=m.pack_sequences,
                                       mixed_precision=m.mixed_precision, dp_group=dp_group)
     if "rollout" in needed:

@@ -49,6 +49,16 @@ class StepMetrics:
             self.add_max(name + "/max", float(values.max()))
             self.add_min(name + "/min", float(values.min()))
 
+    def merge(self, other: StepMetrics) -> None:
+        """Add `other`'s statistics to these, as if they had been recorded here (the async
+        trainer merges the rollout side's metrics that came with a batch)."""
+        for key, value in other._sum.items():
+            self._sum[key] += value
+        for key, value in other._max.items():
+            self._max[key] = max(self._max.get(key, -math.inf), value)
+        for key, value in other._min.items():
+            self._min[key] = min(self._min.get(key, math.inf), value)
+
     def reduce(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
         """Combine across the ranks of `group` (no-op when not distributed). Every rank must
         call it; ranks may have recorded different names (e.g. a node that ran on a subset)."""

@@ -15,6 +15,7 @@ import dagrl.roles.generate
 import dagrl.roles.score
 import dagrl.roles.update  # noqa: F401
 from dagrl.config.schema import Config
+from dagrl.dag.async_placement import AsyncSides, place_async
 from dagrl.dag.builtin import BUILTIN_GRAPHS
 from dagrl.dag.planner import RankPlan, make_plan
 from dagrl.dag.spec import GraphSpec, load_graph_yaml, validate_graph
@@ -36,13 +37,28 @@ def build_graph(cfg: Config) -> GraphSpec:
     return BUILTIN_GRAPHS.get(name)(cfg)
 
 
+# trainer.mode=async: the roles that run on the rollout ranks (dag/async_placement.py).
+ROLLOUT_SIDE_ROLES = frozenset({"rollout", "greedy_baseline", "reward"})
+
+
 def plan_for(cfg: Config, world_size: int) -> tuple[GraphSpec, list[str], list[RankPlan]]:
     """Import user roles, build and validate the graph, and plan it for `world_size` ranks."""
+    graph, order, plans, _ = plan_with_sides(cfg, world_size)
+    return graph, order, plans
+
+
+def plan_with_sides(cfg: Config, world_size: int
+                    ) -> tuple[GraphSpec, list[str], list[RankPlan], AsyncSides | None]:
+    """`plan_for`, and under trainer.mode=async the graph placed on its two sides first (None
+    in sync mode)."""
     import_user_modules(cfg.dag.modules)
     graph = build_graph(cfg)
     order = validate_graph(graph, ROLES)
+    sides = None
+    if cfg.is_async:
+        graph, order, sides = place_async(graph, order, world_size, ROLLOUT_SIDE_ROLES)
     trains = frozenset(name for name in ROLES if ROLES.get(name).trains)
-    return graph, order, make_plan(graph, order, world_size, trains)
+    return graph, order, make_plan(graph, order, world_size, trains), sides
 
 
 def engines_of(plan: RankPlan) -> set[str]:
