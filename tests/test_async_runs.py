@@ -173,3 +173,24 @@ def test_ray_async_survives_a_rollout_rank_killed_mid_run(tmp_path):
     assert all(m["async/staleness_max"] <= 1 for m in records)
     # every step trained on exactly its global batch's prompts: none twice, none dropped
     assert trained_rows(run_dir) == expected_rows(run_dir, steps, batch=8)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "ray"])
+def test_async_learns_the_default_task_within_the_staleness_bound(tmp_path, launcher):
+    # The acceptance command: the default task, 2 workers, max_staleness=1, 60 steps.
+    run_dir = tmp_path / "run"
+    args = ["trainer.mode=async", "rollout.max_staleness=1"]
+    if launcher == "torchrun":
+        torchrun(run_dir, *args)
+    else:
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        launch(load_config(Config, None, [f"trainer.run_dir={run_dir}", "trainer.n_workers=2",
+                                          *args, *FAST]))
+    records = metrics(run_dir)
+    assert [m["step"] for m in records] == list(range(1, 61))
+    rewards = [m["reward/mean"] for m in records]
+    assert sum(rewards[-10:]) / 10 >= sum(rewards[:10]) / 10 + 0.1
+    assert all(m["async/staleness_max"] <= 1 for m in records)
+    assert max(m["async/staleness_max"] for m in records) == 1     # it did run off-policy
+    assert all(m["async/trainer_wait_s"] >= 0 and m["async/rollout_wait_s"] >= 0
+               for m in records)
