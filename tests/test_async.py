@@ -15,7 +15,7 @@ from dagrl.config.schema import Config
 from dagrl.dag.async_placement import place_async
 from dagrl.dag.spec import GraphError, GraphSpec, NodeSpec
 from dagrl.data.batch import Batch
-from dagrl.roles.plan import ROLLOUT_SIDE_ROLES, plan_with_sides
+from dagrl.roles.plan import FOLLOWER_ROLES, ROLLOUT_SIDE_ROLES, plan_with_sides
 from tests.dist_helpers import run_distributed
 
 GRPO = GraphSpec("g", (NodeSpec("rollout", "rollout"), NodeSpec("reward", "reward", ("rollout",)),
@@ -51,6 +51,25 @@ def test_placement_follows_options_ranks_and_refuses_what_cannot_loop():
         place_async(dapo, ORDER + ["f"], 2, ROLLOUT_SIDE_ROLES)
 
 
+def test_the_frozen_reference_follows_its_inputs_to_the_rollout_side():
+    graph, order, sides = place_async(GRPO, ORDER, 2, ROLLOUT_SIDE_ROLES, FOLLOWER_ROLES)
+    assert sides.rollout_nodes == ("rollout", "ref", "reward")
+    assert sides.trainer_nodes == ("adv", "update") and order[-2:] == ["adv", "update"]
+    assert graph.node("ref").options["ranks"] == [1]
+    # Its input made on the trainer side, or pinned to the trainer's ranks: it stays there.
+    late = GraphSpec("g", GRPO.nodes[:2] + (NodeSpec("ref", "ref_logprob", ("adv",)),
+                                            NodeSpec("adv", "advantage", ("reward",)),
+                                            NodeSpec("update", "actor_update", ("adv", "ref"))))
+    _, _, sides = place_async(late, ["rollout", "reward", "adv", "ref", "update"], 2,
+                              ROLLOUT_SIDE_ROLES, FOLLOWER_ROLES)
+    assert sides.trainer_nodes == ("adv", "ref", "update")
+    nodes = list(GRPO.nodes)
+    nodes[2] = NodeSpec("ref", "ref_logprob", ("rollout",), {"ranks": [0]})
+    _, _, sides = place_async(GraphSpec("g", tuple(nodes)), ORDER, 2, ROLLOUT_SIDE_ROLES,
+                              FOLLOWER_ROLES)
+    assert sides.trainer_nodes == ("ref", "adv", "update")
+
+
 def test_async_config_is_checked_and_planned():
     with pytest.raises(ConfigError, match="n_workers >= 2"):
         load_config(Config, None, ["trainer.mode=async"])
@@ -60,9 +79,10 @@ def test_async_config_is_checked_and_planned():
         load_config(Config, None, ["rollout.max_staleness=-1"])
     cfg = load_config(Config, None, ["trainer.mode=async", "trainer.n_workers=2"])
     _, _, plans, sides = plan_with_sides(cfg, 2)
-    assert sides.rollout_nodes == ("rollout", "reward")
+    assert sides.rollout_nodes == ("rollout", "reward", "ref_logprob")
     described = [t.describe() for t in plans[0].tasks]
-    assert "reshard ranks 1 -> ranks 0 (before ref_logprob)" in described   # the buffer
+    first_trainer_node = sides.trainer_nodes[0]
+    assert f"reshard ranks 1 -> ranks 0 (before {first_trainer_node})" in described  # the buffer
 
 
 # --- the buffer and the weights over real process groups ---------------------------------------

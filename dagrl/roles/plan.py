@@ -37,8 +37,11 @@ def build_graph(cfg: Config) -> GraphSpec:
     return BUILTIN_GRAPHS.get(name)(cfg)
 
 
-# trainer.mode=async: the roles that run on the rollout ranks (dag/async_placement.py).
+# trainer.mode=async: the roles that run on the rollout ranks, and those that follow them there
+# when their inputs are made there (dag/async_placement.py): the reference is frozen, so its
+# log-probs need no weights from the trainer.
 ROLLOUT_SIDE_ROLES = frozenset({"rollout", "greedy_baseline", "reward"})
+FOLLOWER_ROLES = frozenset({"ref_logprob"})
 
 
 def plan_for(cfg: Config, world_size: int) -> tuple[GraphSpec, list[str], list[RankPlan]]:
@@ -56,7 +59,8 @@ def plan_with_sides(cfg: Config, world_size: int
     order = validate_graph(graph, ROLES)
     sides = None
     if cfg.is_async:
-        graph, order, sides = place_async(graph, order, world_size, ROLLOUT_SIDE_ROLES)
+        graph, order, sides = place_async(graph, order, world_size, ROLLOUT_SIDE_ROLES,
+                                          FOLLOWER_ROLES)
     trains = frozenset(name for name in ROLES if ROLES.get(name).trains)
     return graph, order, make_plan(graph, order, world_size, trains), sides
 

@@ -2,12 +2,13 @@
 
 Setup is collective (every rank, in the same order): plan the graph on its two sides
 (dag/async_placement.py), create the process groups, build this side's engines only (rollout
-ranks: rollout engine and reward manager; trainer ranks: actor, reference, critic, sharded over
-the trainer ranks alone), resume on the trainer ranks and tell the rollout ranks where the data
-continues, and send the first weights. Then the sides part (runtime/async_loops.py):
+ranks: rollout engine, reward manager and the reference when ref_logprob is placed there, sharded
+over the rollout ranks; trainer ranks: actor, critic, sharded over the trainer ranks alone),
+resume on the trainer ranks and tell the rollout ranks where the data continues, and send the
+first weights. Then the sides part (runtime/async_loops.py):
 
     rollout ranks   for each step: wait until the weights are at most max_staleness versions
-                    old, read this rank's prompts, run the rollout side (rollout, reward),
+                    old, read this rank's prompts, run the rollout side (rollout, reward, ref),
                     push the scored groups into the buffer (data/async_buffer.py)
     trainer ranks   for each step: pull the batch, run the trainer side (old_logprob, ...,
                     actor_update, whose weight sync sends the new weights to the rollout ranks
@@ -106,8 +107,10 @@ class AsyncWorker:
             raise ValueError(f"actor.mini_batch_size ({cfg.actor.mini_batch_size}) must be "
                              f"divisible by the {side.size} trainer ranks")
         needed = {e for n in mine for e in ROLES.get(self.graph.node(n).role).engines}
-        # The rollout side generates with its own copy and scores; the trainer side trains.
-        needed = needed & {"rollout", "reward"} if not self.is_trainer else needed - {"rollout"}
+        # The rollout side generates with its own copy, scores and (when placed there) runs the
+        # frozen reference; the trainer side trains.
+        needed = (needed & {"rollout", "reward", "ref"} if not self.is_trainer
+                  else needed - {"rollout"})
         d = cfg.data
         tokenizer = load_tokenizer(cfg.model.path, cfg.model.gguf_file)
         self.loader = None
@@ -122,7 +125,7 @@ class AsyncWorker:
             check_cpu_threads(t.torch_threads, self.dist.local_world_size, self.log)
         self.engines = build_engines(cfg, needed, self.device, world_size=side.size,
                                      log=self.log, tokenizer=tokenizer,
-                                     dp_group=side.group if self.is_trainer else None)
+                                     dp_group=side.group)   # this side's ranks shard
         self.checkpoint_root = Path(t.checkpoint_dir or self.run_dir / "checkpoints")
         self.checkpointer = Checkpointer(
             self.checkpoint_root, rank=self.trainer.index, keep_last=t.keep_last,
