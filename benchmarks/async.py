@@ -6,9 +6,9 @@
 
 Both sides are `torchrun --nproc-per-node 2 -m dagrl.train` with the same config but
 `trainer.mode`: sync (both workers generate, then both train, every step) or async (rank 1
-generates and scores, rank 0 trains, the two overlapping with at most `--staleness` versions of
-lag). Same model, data, seed, prompts per step, samples per prompt, steps and threads (one per
-worker).
+generates, scores and runs the reference, rank 0 trains, the two overlapping with at most
+`--staleness` versions of lag). Same model, data, seed, prompts per step, samples per prompt,
+steps and threads (one per worker).
 
 Workload: a randomly initialised tiny Qwen2 (`--hidden`, `--layers`) on the built-in arithmetic
 task, 8 prompts x 8 samples per step, temperature 1, up to `--max-new-tokens` 128 tokens,
