@@ -53,6 +53,13 @@ def shard_model(model: torch.nn.Module, world_size: int, device_type: str,
     mesh = (DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp",))
             if group is not None else
             init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",)))
+    return fully_shard_layers(model, mesh)
+
+
+def fully_shard_layers(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """FSDP2 over the 1-D `mesh`: each decoder layer a unit, then the root (in place). On
+    parameters already split by tensor parallelism it shards their local slices (a 2-D
+    layout)."""
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -40,6 +40,17 @@ class StepMetrics:
     def add_min(self, name: str, value: float) -> None:
         self._min[name] = min(self._min.get(name, math.inf), float(value))
 
+    def merge(self, other: StepMetrics) -> None:
+        """Add `other`'s statistics to these, as if they had been recorded here (a node's
+        metrics recorded apart, e.g. on the ranks of a tensor-parallel replica, which count
+        once; the async trainer merges the rollout side's metrics that came with a batch)."""
+        for key, value in other._sum.items():
+            self._sum[key] += value
+        for name, value in other._max.items():
+            self.add_max(name, value)
+        for name, value in other._min.items():
+            self.add_min(name, value)
+
     def add_distribution(self, name: str, values: torch.Tensor) -> None:
         """name/mean, name/std (population), name/max, name/min of all values on all ranks."""
         values = values.detach().double().flatten()
@@ -48,16 +59,6 @@ class StepMetrics:
         if values.numel():
             self.add_max(name + "/max", float(values.max()))
             self.add_min(name + "/min", float(values.min()))
-
-    def merge(self, other: StepMetrics) -> None:
-        """Add `other`'s statistics to these, as if they had been recorded here (the async
-        trainer merges the rollout side's metrics that came with a batch)."""
-        for key, value in other._sum.items():
-            self._sum[key] += value
-        for key, value in other._max.items():
-            self._max[key] = max(self._max.get(key, -math.inf), value)
-        for key, value in other._min.items():
-            self._min[key] = min(self._min.get(key, math.inf), value)
 
     def reduce(self, group: dist.ProcessGroup | None = None) -> dict[str, float]:
         """Combine across the ranks of `group` (no-op when not distributed). Every rank must
