@@ -10,6 +10,7 @@ ranks, which the actor's loss scaling accounts for.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -43,12 +44,16 @@ def checkpoint_activations(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def shard_model(model: torch.nn.Module, world_size: int, device_type: str) -> torch.nn.Module:
-    """Shard `model` in place over all `world_size` ranks (a no-op for one rank)."""
+def shard_model(model: torch.nn.Module, world_size: int, device_type: str,
+                group: dist.ProcessGroup | None = None) -> torch.nn.Module:
+    """Shard `model` in place over all `world_size` ranks, or over the ranks of `group`
+    (trainer.mode=async: the trainer ranks); a no-op for one rank."""
     if world_size == 1:
         return model
-    return fully_shard_layers(model, init_device_mesh(device_type, (world_size,),
-                                                      mesh_dim_names=("dp",)))
+    mesh = (DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp",))
+            if group is not None else
+            init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",)))
+    return fully_shard_layers(model, mesh)
 
 
 def fully_shard_layers(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
