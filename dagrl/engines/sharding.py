@@ -10,7 +10,8 @@ ranks, which the actor's loss scaling accounts for.
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 
@@ -43,11 +44,22 @@ def checkpoint_activations(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def shard_model(model: torch.nn.Module, world_size: int, device_type: str) -> torch.nn.Module:
-    """Shard `model` in place over all `world_size` ranks (a no-op for one rank)."""
+def shard_model(model: torch.nn.Module, world_size: int, device_type: str,
+                group: dist.ProcessGroup | None = None) -> torch.nn.Module:
+    """Shard `model` in place over all `world_size` ranks, or over the ranks of `group`
+    (trainer.mode=async: the trainer ranks); a no-op for one rank."""
     if world_size == 1:
         return model
-    mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
+    mesh = (DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp",))
+            if group is not None else
+            init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",)))
+    return fully_shard_layers(model, mesh)
+
+
+def fully_shard_layers(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """FSDP2 over the 1-D `mesh`: each decoder layer a unit, then the root (in place). On
+    parameters already split by tensor parallelism it shards their local slices (a 2-D
+    layout)."""
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

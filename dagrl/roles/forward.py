@@ -7,7 +7,7 @@ Fields added for N samples, response width R: old_logprobs / ref_logprobs / valu
 
 from __future__ import annotations
 
-from dagrl.algorithms.rollout_correction import rollout_correction
+from dagrl.algorithms.rollout_correction import is_threshold_hits, rollout_correction
 from dagrl.config.schema import OLD_POLICY_ESTIMATORS
 from dagrl.data.batch import Batch
 from dagrl.engines.actor import rollout_correction_params
@@ -17,7 +17,8 @@ from dagrl.roles.registry import NodeContext, register_role
 from dagrl.rollout.sampling import logprob_temperature
 
 
-@register_role("old_logprob", engines=("actor",))
+@register_role("old_logprob", engines=("actor",), runs_model=True,
+               adds={"old_logprobs": "R float32"})
 def old_logprob(ctx: NodeContext, batch: Batch) -> Batch:
     """old_logprobs [N, R]; also sum_pi_squared [N, R] for the estimators that read it, and
     with algorithm.rollout_correction (not in bypass mode) the rollout IS weights
@@ -53,11 +54,19 @@ def _rollout_correction(ctx: NodeContext, batch: Batch) -> None:
     ctx.metrics.add_mean("rollout_corr/rs_masked_fraction", tokens - float(kept.sum()), tokens)
     if weights is not None:
         ctx.metrics.add_mean("rollout_corr/is_weight_mean", float((weights * mask).sum()), tokens)
+        rc = ctx.config.algorithm.rollout_correction
+        hits = is_threshold_hits(batch["old_logprobs"] - batch["rollout_logprobs"], mask,
+                                 rc.rollout_is, str(rc.rollout_is_threshold))
+        # TIS truncates the weights above U; "L_U" (IcePop, masked IS) zeroes those outside.
+        name = "is_masked_fraction" if "_" in str(rc.rollout_is_threshold) else \
+            "is_clipped_fraction"
+        ctx.metrics.add_mean(f"rollout_corr/{name}", float(hits.sum()), tokens)
         batch["rollout_is_weights"] = weights
     batch["response_mask"] = kept
 
 
-@register_role("ref_logprob", engines=("ref",))
+@register_role("ref_logprob", engines=("ref",), runs_model=True,
+               adds={"ref_logprobs": "R float32"})
 def ref_logprob(ctx: NodeContext, batch: Batch) -> Batch:
     # The update's autocast, so that pi_ref = pi to the bit while the weights are equal.
     with autocast(ctx.config.model.mixed_precision, batch["responses"].device):
@@ -70,7 +79,7 @@ def ref_logprob(ctx: NodeContext, batch: Batch) -> Batch:
     return batch
 
 
-@register_role("values", engines=("critic",))
+@register_role("values", engines=("critic",), runs_model=True, adds={"values": "R float32"})
 def values(ctx: NodeContext, batch: Batch) -> Batch:
     batch["values"] = ctx.engines.critic.compute_values(batch)
     return batch

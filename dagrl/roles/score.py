@@ -1,9 +1,11 @@
 """The `reward` role: score each response with the reward manager (rule scorers, user
 functions), add DAPO's overlong shaping when configured, and place the outcome reward on the
-last response token (the policy's last token: a multi-turn response ends with its final turn).
+last response token: the policy's last token, as a multi-turn response ends with its
+final turn. (Model-based rewards: roles/model_reward.py, ending in the same
+`place_outcome_scores`.)
 
 Multi-turn rollouts: the reward manager scores the whole response, tool and environment
-messages included (`response_attention_mask`; verl decodes multi-turn responses the same way);
+messages included (`response_attention_mask`, as verl decodes multi-turn responses);
 an environment's episodes are scored by the environment alone, its per-turn rewards
 (`turn_scores`) already at the last token of the turns they reward.
 
@@ -35,9 +37,9 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     return ((mask > 0) * columns).amax(-1).sub(1).clamp(min=0)
 
 
-@register_role("reward", engines=("reward",))
+@register_role("reward", engines=("reward",),
+               adds={"scores": "float32", "token_level_scores": "R float32"})
 def reward(ctx: NodeContext, batch: Batch) -> Batch:
-    mask = batch["response_mask"]
     if "turn_scores" in batch:   # an environment's episodes: its rewards are their score
         return _environment_scores(ctx, batch)
     texts = decode_responses(ctx.engines.tokenizer, batch["responses"],
@@ -45,20 +47,7 @@ def reward(ctx: NodeContext, batch: Batch) -> Batch:
     sample_ids = [f"{uid}/{i}" for i, uid in enumerate(batch["uid"])]
     result = ctx.engines.reward_manager.score(texts, batch["data_source"], batch["ground_truth"],
                                              batch["extra_info"], sample_ids=sample_ids)
-    scores = torch.tensor(result.scores, dtype=torch.float32)
-    r = ctx.config.reward
-    if r.overlong_buffer_len:
-        penalty = overlong_penalty(mask.sum(-1), max_len=ctx.config.rollout.max_new_tokens,
-                                   buffer_len=r.overlong_buffer_len,
-                                   penalty_factor=r.overlong_penalty_factor)
-        ctx.metrics.add_mean("reward/overlong_penalty", float(penalty.sum()), len(batch))
-        scores = scores + penalty
-    # The outcome reward sits on the last response token (token-level credit for PPO/GAE).
-    token_scores = torch.zeros_like(mask)
-    token_scores[torch.arange(len(batch)), last_token_index(mask)] = scores
-    batch["scores"] = scores
-    batch["token_level_scores"] = token_scores * (mask.sum(-1, keepdim=True) > 0)
-    ctx.metrics.add_distribution("reward", scores)
+    place_outcome_scores(ctx, batch, torch.tensor(result.scores, dtype=torch.float32))
     ctx.metrics.add_sum("reward/errors", result.n_errors)
     ctx.metrics.add_sum("reward/timeouts", result.n_timeouts)
     if result.first_error:
@@ -75,6 +64,26 @@ def reward(ctx: NodeContext, batch: Batch) -> Batch:
                            f"return it for every sample (its keys: {sorted(result.extra)})")
         batch[score_component_field(key)] = torch.tensor(values, dtype=torch.float32)
     return batch
+
+
+def place_outcome_scores(ctx: NodeContext, batch: Batch, scores: torch.Tensor) -> None:
+    """Write a sample's outcome reward (scores [N]; + DAPO's overlong shaping when configured)
+    into `scores` [N] and onto its last response token in `token_level_scores` [N, R]. Every
+    reward role (rule, reward model, judge) ends here."""
+    mask = batch["response_mask"]
+    r = ctx.config.reward
+    if r.overlong_buffer_len:
+        penalty = overlong_penalty(mask.sum(-1), max_len=ctx.config.rollout.max_new_tokens,
+                                   buffer_len=r.overlong_buffer_len,
+                                   penalty_factor=r.overlong_penalty_factor)
+        ctx.metrics.add_mean("reward/overlong_penalty", float(penalty.sum()), len(batch))
+        scores = scores + penalty
+    # The outcome reward sits on the last response token (token-level credit for PPO/GAE).
+    token_scores = torch.zeros_like(mask)
+    token_scores[torch.arange(len(batch)), last_token_index(mask)] = scores
+    batch["scores"] = scores
+    batch["token_level_scores"] = token_scores * (mask.sum(-1, keepdim=True) > 0)
+    ctx.metrics.add_distribution("reward", scores)
 
 
 def score_component_field(key: str) -> str:
