@@ -64,10 +64,11 @@ def _packed_inputs(prompt_ids, prompt_mask, responses, response_mask, attention_
 def _global_layout(prompt_ids, prompt_mask, responses, response_mask, pack: bool):
     """The [B, T] input of either layout for sequence parallelism: (input_ids, position_ids,
     valid = real tokens, wanted [N] = flat indices into [B * T] of the positions predicting
-    each used response token, row-major over the response mask)."""
+    each used response token, row-major over the response mask). Masks without gaps only:
+    the config refuses multi-turn rollouts with sequence parallelism."""
     if pack:
         input_ids, positions, predicting = _packed_inputs(prompt_ids, prompt_mask, responses,
-                                                          response_mask)
+                                                          response_mask, response_mask)
         return input_ids, positions, torch.ones_like(input_ids, dtype=torch.bool), predicting
     input_ids, attention, prompt_len, last = _trimmed_inputs(prompt_ids, prompt_mask, responses,
                                                              response_mask)
