@@ -364,9 +364,17 @@ class TrainerConfig:
     # Ray launcher: when a worker dies, restart all workers from the last checkpoint this many
     # times before giving up.
     max_restarts: int = 0
+    # Ray launcher: how Ray spreads the workers' bundles over nodes (Ray's placement-group
+    # strategies: PACK fills nodes one by one, SPREAD spreads them, STRICT_* insist).
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    # Ray launcher: the longest wait for the cluster to offer every worker's CPU and accelerator
+    # before the run stops with an error naming what is missing (an autoscaling cluster may
+    # need minutes to add nodes).
+    placement_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         _check(self.total_steps > 0, "total_steps must be > 0")
+        _check(self.placement_timeout_s > 0, "placement_timeout_s must be > 0")
         _check(self.n_workers > 0, "n_workers must be > 0")
         _check(self.torch_threads >= 0, "torch_threads must be >= 0")
         _check(self.val_every >= 0, "val_every must be >= 0 (0 disables validation)")
