@@ -12,6 +12,7 @@
     dagrl bench rollout                         # our native rollout vs transformers generate
     dagrl bench e2e                             # our GRPO step loop vs TRL's GRPOTrainer
     dagrl bench memory                          # peak RSS of each memory setting, one run
+    dagrl bench scale [--calibrate] [--quick]   # weak-scaling model, dagrl vs single controller
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def data_main(argv: Sequence[str]) -> int:
     return 0
 
 
-BENCHMARKS = ("dataplane", "learning", "rollout", "e2e", "memory")
+BENCHMARKS = ("dataplane", "learning", "rollout", "e2e", "memory", "scale")
 
 
 def bench_main(argv: Sequence[str]) -> int:

@@ -371,9 +371,16 @@ class TrainerConfig:
     # before the run stops with an error naming what is missing (an autoscaling cluster may
     # need minutes to add nodes).
     placement_timeout_s: float = 300.0
+    # FSDP2 shard group: 0 shards every model over all workers; k > 0 (HSDP) shards it over
+    # groups of k consecutive ranks (a node's devices) and replicates it across the groups, so
+    # the per-layer all-gathers and reduce-scatters stay inside a node and only a gradient
+    # all-reduce of each rank's shard crosses nodes (verl's fsdp_size). n_workers must be a
+    # multiple of k. The numbers of a run do not change; docs/scaling.md shows what it buys.
+    fsdp_shard_size: int = 0
 
     def __post_init__(self) -> None:
         _check(self.total_steps > 0, "total_steps must be > 0")
+        _check(self.fsdp_shard_size >= 0, "fsdp_shard_size must be >= 0 (0: all workers)")
         _check(self.placement_timeout_s > 0, "placement_timeout_s must be > 0")
         _check(self.n_workers > 0, "n_workers must be > 0")
         _check(self.torch_threads >= 0, "torch_threads must be >= 0")
@@ -447,6 +454,10 @@ class Config:
         _check(self.data.train_batch_size % self.actor.mini_batch_size == 0,
                f"actor.mini_batch_size ({self.actor.mini_batch_size}) must divide "
                f"data.train_batch_size ({self.data.train_batch_size})")
+        _check(not self.trainer.fsdp_shard_size
+               or self.trainer.n_workers % self.trainer.fsdp_shard_size == 0,
+               f"trainer.fsdp_shard_size ({self.trainer.fsdp_shard_size}) must divide "
+               f"trainer.n_workers ({self.trainer.n_workers})")
         _check(self.actor.mini_batch_size % self.trainer.n_workers == 0,
                f"actor.mini_batch_size ({self.actor.mini_batch_size}) must be divisible by "
                f"trainer.n_workers ({self.trainer.n_workers})")

@@ -86,7 +86,7 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
         return load_model(m.path, m.gguf_file, dtype, device, m.attn_implementation)
 
     def shard(model: torch.nn.Module) -> torch.nn.Module:
-        return shard_model(model, world_size, device.type)
+        return shard_model(model, world_size, device.type, cfg.trainer.fsdp_shard_size)
 
     if tokenizer is None:
         tokenizer = load_tokenizer(m.path, m.gguf_file)

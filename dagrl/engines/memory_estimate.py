@@ -118,21 +118,22 @@ def estimate_memory(cfg: Config, shape: ModelShape, *, has_ref: bool = True) -> 
     """Per-rank bytes of the run's states and largest transients (see the module docstring)."""
     b = DTYPES[cfg.model.dtype].itemsize
     w = cfg.trainer.n_workers
+    s = cfg.trainer.fsdp_shard_size or w     # ranks a model is sharded over (HSDP: its group)
     lora = cfg.actor.lora.rank
     p = shape.params
     trained = shape.lora_params(lora) if lora else p
-    lines = [MemoryLine("actor weights", p * b // w, f"{p / 1e6:.1f}M params"
-                        + (f" / {w} workers (FSDP2)" if w > 1 else ""))]
-    lines.append(MemoryLine("gradients", trained * b // w,
+    lines = [MemoryLine("actor weights", p * b // s, f"{p / 1e6:.1f}M params"
+                        + (f" / {s} workers (FSDP2)" if s > 1 else ""))]
+    lines.append(MemoryLine("gradients", trained * b // s,
                             f"{trained / 1e6:.2f}M trained" + (" (LoRA)" if lora else ""),
                             "update"))
-    lines.append(MemoryLine("AdamW state", 2 * trained * b // w, "exp_avg + exp_avg_sq"))
+    lines.append(MemoryLine("AdamW state", 2 * trained * b // s, "exp_avg + exp_avg_sq"))
     mixed = cfg.model.mixed_precision != "none"
     ref_note = "adapters off: no copy" if lora else ("" if has_ref else "no ref")
-    ref = p * b // w if has_ref and not lora else 0
+    ref = p * b // s if has_ref and not lora else 0
     if ref and mixed:   # the linears in bfloat16 (engines/precision.py), the rest in b bytes
         linears = shape.linear_params + (0 if shape.tied else shape.vocab * shape.hidden)
-        ref = ((p - linears) * b + linears * 2) // w
+        ref = ((p - linears) * b + linears * 2) // s
         ref_note = "linears in bfloat16"
     lines.append(MemoryLine("reference weights", ref, ref_note))
     backend = cfg.rollout.backend

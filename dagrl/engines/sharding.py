@@ -43,11 +43,22 @@ def checkpoint_activations(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def shard_model(model: torch.nn.Module, world_size: int, device_type: str) -> torch.nn.Module:
-    """Shard `model` in place over all `world_size` ranks (a no-op for one rank)."""
+def shard_model(model: torch.nn.Module, world_size: int, device_type: str,
+                shard_size: int = 0) -> torch.nn.Module:
+    """Shard `model` in place over all `world_size` ranks (a no-op for one rank), or, with
+    0 < `shard_size` < `world_size`, over groups of `shard_size` consecutive ranks and
+    replicated across the groups (HSDP: a 2-D mesh, replicas x shard; FSDP2 reduce-scatters
+    gradients in a group, then all-reduces each shard across the groups)."""
     if world_size == 1:
         return model
-    mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
+    if 0 < shard_size < world_size:
+        if world_size % shard_size:
+            raise ValueError(f"trainer.fsdp_shard_size={shard_size} does not divide "
+                             f"{world_size} ranks")
+        mesh = init_device_mesh(device_type, (world_size // shard_size, shard_size),
+                                mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

@@ -63,14 +63,19 @@ def gather_full_weights(model: torch.nn.Module,
 
 
 def _row_sharded(p: torch.Tensor) -> bool:
-    """FSDP2's layout: a DTensor sharded on dim 0 over a 1-D mesh."""
-    from torch.distributed.tensor import Shard
+    """FSDP2's layout: a DTensor sharded on dim 0 over a 1-D mesh, or (HSDP) replicated over
+    the first dimension of a 2-D mesh and sharded on dim 0 over the second."""
+    from torch.distributed.tensor import Replicate, Shard
 
-    return hasattr(p, "placements") and tuple(p.placements) == (Shard(0),) and p.dim() > 0
+    return (hasattr(p, "placements") and p.dim() > 0
+            and tuple(p.placements) in ((Shard(0),), (Replicate(), Shard(0))))
 
 
 def _gather_bucket(bucket: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    group = bucket[0][1].device_mesh.get_group()
+    # The ranks a parameter is sharded over (HSDP: its shard group; each group holds a whole
+    # copy, so the gather never leaves it).
+    mesh = bucket[0][1].device_mesh
+    group = mesh.get_group(mesh.ndim - 1)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     local = [p.to_local() for _, p in bucket]
     # Per parameter: rows held by each rank and the elements in one row.

@@ -3,8 +3,9 @@
 `reserve(bundles, strategy, timeout_s)` asks Ray for one placement-group bundle per worker and
 waits at most `timeout_s` for it. Ray's own `pg.ready()` waits forever when a resource does not
 exist in the cluster (an accelerator bundle on a CPU-only cluster, Ascend's resource on nodes
-that register another accelerator), which looks like a hung run; here the wait ends in a `PlacementError` naming, for each
-resource, how much the run needs, how much the cluster has and how much is free now.
+that register another accelerator), which looks like a hung run; here the wait ends in a
+`PlacementError` naming, for each resource, how much the run needs, how much the cluster has
+and how much is free now.
 """
 
 from __future__ import annotations
