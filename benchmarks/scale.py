@@ -272,7 +272,9 @@ def _main(args: argparse.Namespace) -> int:
         print(f"workload: {workload.params:.3g} parameters, {workload.samples} samples/device "
               f"({workload.prompts_per_device} prompts x {workload.samples_per_prompt}), prompt "
               f"{workload.prompt_len}, responses {workload.length_dist} median "
-              f"{workload.length_median:g} cut at {workload.max_response}")
+              f"{workload.length_median:g} cut at {workload.max_response}, FSDP2 "
+              + (f"sharded over {workload.fsdp_shard_size} devices (HSDP)"
+                 if workload.fsdp_shard_size else "over all devices"))
         rows = scaling_rows(model, devices)
         print_rows(rows)
         out["presets"][name] = {"hardware": hw.to_dict(), "rows": rows}
