@@ -243,3 +243,27 @@ def test_fsdp_host_work_is_interpolated_and_only_charged_to_host_workers():
     assert Model(_model().w, NVLINK_IB, costs, DRIVER).fsdp_host_s(4, "update") == 0
     with pytest.raises(WorkloadError, match="one value per costs.fsdp_workers"):
         replace(COSTS, fsdp_workers=(2,))
+
+
+def test_watch_cpu_follows_a_process_tree_and_its_logged_steps(tmp_path):
+    import subprocess
+    import sys
+
+    from benchmarks.scale_calibrate import watch_cpu
+
+    log = tmp_path / "metrics.jsonl"
+    # a child that burns CPU in a grandchild (the tree counts), logging a line per "step"
+    code = ("import subprocess, sys, time\n"
+            "burn = ('import time\\nt = time.process_time()\\n'\n"
+            "        'while time.process_time() - t < 0.3: pass')\n"
+            "for step in range(3):\n"
+            "    subprocess.run([sys.executable, '-c', burn], check=True)\n"
+            f"    open({str(log)!r}, 'a').write('{{}}\\n')\n")
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    timeline = watch_cpu(proc, log, every_s=0.05)
+    assert proc.returncode == 0
+    assert timeline[-1][4] == 3 and [s[4] for s in timeline] == sorted(s[4] for s in timeline)
+    assert timeline[-1][2] - timeline[0][2] >= 0.6    # most of the 3 x 0.3 s the tree burned
+    usage = usage_between(timeline, 1, 3)
+    # (CPU seconds, not wall time, are asserted: this machine may be busy)
+    assert usage["wall_s"] > 0 and usage["run_cores"] > 0
