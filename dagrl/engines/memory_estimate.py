@@ -123,7 +123,8 @@ def estimate_memory(cfg: Config, shape: ModelShape, *, has_ref: bool = True) -> 
     p = shape.params
     trained = shape.lora_params(lora) if lora else p
     lines = [MemoryLine("actor weights", p * b // s, f"{p / 1e6:.1f}M params"
-                        + (f" / {s} workers (FSDP2)" if s > 1 else ""))]
+                        + (f" / {s} workers (FSDP2{' group' if s < w else ''})"
+                           if s > 1 else ""))]
     lines.append(MemoryLine("gradients", trained * b // s,
                             f"{trained / 1e6:.2f}M trained" + (" (LoRA)" if lora else ""),
                             "update"))
