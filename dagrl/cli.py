@@ -42,10 +42,12 @@ def plan_main(argv: Sequence[str]) -> int:
     from dagrl.dag.spec import GraphError
     from dagrl.registry import UnknownNameError
     from dagrl.roles.plan import plan_for
+    from dagrl.runtime.preflight import check_model_parallel
     from dagrl.train import load_cli_config
 
     try:
         cfg = load_cli_config(ns.args)
+        check_model_parallel(cfg)
         graph, order, plans = plan_for(cfg, cfg.trainer.n_workers)
     except (ConfigError, GraphError, UnknownNameError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)

@@ -64,6 +64,19 @@ def test_shard_size_must_divide_the_workers():
                                    "data.train_batch_size=8", "actor.mini_batch_size=8"])
 
 
+@pytest.mark.parametrize("parallel", ["actor.tensor_parallel_size=2",
+                                      "actor.sequence_parallel_size=2"])
+def test_shard_groups_are_refused_with_tensor_or_sequence_parallelism(parallel):
+    # HSDP's (replicate, shard) mesh is built for FSDP2 alone, not for the dp x sp x tp mesh
+    with pytest.raises(ConfigError, match=r"trainer.fsdp_shard_size \(2\) < trainer.n_workers "
+                                          r"\(4\) \(HSDP\) with actor.tensor_parallel_size"):
+        load_config(Config, None, ["trainer.n_workers=4", "trainer.fsdp_shard_size=2", parallel,
+                                   "data.train_batch_size=8", "actor.mini_batch_size=8"])
+    # a shard group of all the workers is plain FSDP2: accepted
+    load_config(Config, None, ["trainer.n_workers=4", "trainer.fsdp_shard_size=4", parallel,
+                               "data.train_batch_size=8", "actor.mini_batch_size=8"])
+
+
 def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -51,3 +51,112 @@ def test_bucketed_gather_equals_full_tensor_with_uneven_shards(tiny_model_dir, b
         if bucket_bytes == 2**30:
             assert collectives == 1
     assert results[0][3] == results[1][3] == results[2][3]
+
+
+def _tp_sync(rank, world, model_dir, bucket_bytes):
+    """dp=2 x tp=2: gather the full weights, counting every collective and received byte."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from dagrl.engines import weight_sync
+    from dagrl.engines.mesh import build_train_mesh, parallelize_model
+    from dagrl.engines.models import load_model
+
+    mesh = build_train_mesh(world, 2, 1, "cpu")
+    model = parallelize_model(load_model(model_dir), mesh)
+    dims = {tuple(dist.get_process_group_ranks(mesh.mesh[d].get_group())): d for d in ("dp", "tp")}
+    calls: list[tuple[str, int]] = []      # (mesh dim, bytes received), in order
+    real_gather, real_full = dist.all_gather_into_tensor, DTensor.full_tensor
+
+    def all_gather_into_tensor(out, inp, group=None, **kwargs):
+        dim = dims.get(tuple(dist.get_process_group_ranks(group)), "other")
+        calls.append((dim, (out.numel() - inp.numel()) * out.element_size()))
+        return real_gather(out, inp, group=group, **kwargs)
+
+    def full_tensor(self, *args, **kwargs):        # a per-parameter gather
+        calls.append(("full_tensor", 0))
+        return real_full(self, *args, **kwargs)
+
+    per_bucket, real_bucket = [], weight_sync._gather_bucket
+
+    def gather_bucket(bucket, tensor_parallel):
+        before = len(calls)
+        yield from real_bucket(bucket, tensor_parallel)
+        per_bucket.append((tensor_parallel, [d for d, _ in calls[before:]]))
+
+    dist.all_gather_into_tensor, DTensor.full_tensor = all_gather_into_tensor, full_tensor
+    weight_sync._gather_bucket = gather_bucket
+    try:
+        full = dict(weight_sync.gather_full_weights(model, bucket_bytes=bucket_bytes))
+    finally:
+        dist.all_gather_into_tensor, DTensor.full_tensor = real_gather, real_full
+        weight_sync._gather_bucket = real_bucket
+    reference = dict(load_model(model_dir).named_parameters())
+    mismatched = [n for n, p in reference.items() if n not in full or not torch.equal(full[n], p)]
+    whole = sum(p.numel() * p.element_size() for p in reference.values())
+    own = sum(p.to_local().numel() * p.element_size() for p in model.parameters())
+    # What gathering parameter by parameter would cost: one collective per sharded mesh dim.
+    per_parameter = sum(1 + ("tp" in weight_sync._layout(p)) for p in model.parameters())
+    return (mismatched, sorted(full) == sorted(reference), per_bucket, calls, whole, own,
+            per_parameter)
+
+
+@pytest.mark.parametrize("bucket_bytes", [32768, 2**30], ids=["many-buckets", "one-bucket"])
+def test_tensor_parallel_sync_gathers_per_bucket_per_mesh_dim(tiny_model_dir, bucket_bytes):
+    # 4 ranks: 2 data-parallel replicas x 2 tensor-parallel ranks.
+    for (mismatched, complete, per_bucket, calls, whole, own,
+         per_parameter) in run_distributed(_tp_sync, 4, str(tiny_model_dir), bucket_bytes):
+        assert mismatched == [] and complete          # the rollout engine's whole weights
+        # one all-gather over dp per bucket, and one over tp for the tensor-parallel buckets;
+        # nothing else (no per-parameter gather)
+        for tensor_parallel, dims in per_bucket:
+            assert dims == (["dp", "tp"] if tensor_parallel else ["dp"]), dims
+        assert {tp for tp, _ in per_bucket} == {True, False}
+        collectives = sum(len(dims) for _, dims in per_bucket)
+        assert collectives == len(calls)              # every collective was a bucket's
+        if bucket_bytes == 2**30:
+            assert collectives == 3                   # 1 replicated + 1 tp bucket
+        else:
+            assert len(per_bucket) > 2 and collectives < per_parameter
+        # each rank receives what it lacks of the model, plus at most a bucket of padding
+        received = sum(b for _, b in calls)
+        assert whole - own <= received <= whole - own + bucket_bytes, (received, whole, own)
+
+
+def _experts(rank, world, bucket_experts):
+    """A toy MoE layer's 6 experts ([8, 4] each), trained round-robin (expert e on rank e % 2),
+    needed in blocks by the rollout (rank 0: 0-3, rank 1: 2-5; 2 and 3 on both)."""
+    import torch
+    import torch.distributed as dist
+
+    from dagrl.engines.expert_sync import exchange_experts
+
+    experts = [torch.arange(32, dtype=torch.float32).view(8, 4) + 100 * e for e in range(6)]
+    owner = [e % world for e in range(6)]
+    wanted = [[0, 1, 2, 3], [2, 3, 4, 5]]
+    local = {e: experts[e].clone() for e in range(6) if owner[e] == rank}
+    calls, real = [], dist.all_to_all_single
+
+    def all_to_all_single(out, inp, output_split_sizes=None, input_split_sizes=None, **kw):
+        calls.append(out.numel() * out.element_size())
+        return real(out, inp, output_split_sizes=output_split_sizes,
+                    input_split_sizes=input_split_sizes, **kw)
+
+    dist.all_to_all_single = all_to_all_single
+    try:
+        got = exchange_experts(local, owner, wanted, (8, 4), torch.float32,
+                               bucket_experts=bucket_experts)
+    finally:
+        dist.all_to_all_single = real
+    return ({e: bool(torch.equal(t, experts[e])) for e, t in got.items()}, calls,
+            sum(1 for e in wanted[rank] if owner[e] != rank) * 32 * 4)
+
+
+@pytest.mark.parametrize("bucket_experts", [0, 2], ids=["one-bucket", "buckets-of-2"])
+def test_expert_exchange_sends_each_expert_only_where_needed(bucket_experts):
+    for rank, (got, calls, needed_bytes) in enumerate(
+            run_distributed(_experts, 2, bucket_experts)):
+        assert got == {e: True for e in ([0, 1, 2, 3], [2, 3, 4, 5])[rank]}
+        assert len(calls) == (1 if bucket_experts == 0 else 3)    # one all-to-all-v per bucket
+        assert sum(calls) == needed_bytes        # exactly the wanted experts it does not own

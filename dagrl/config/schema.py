@@ -9,7 +9,7 @@ overrides (an unknown key or a wrong type is an error naming the key). Messages 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from dagrl.config.algorithm import (  # noqa: F401 (re-exported: the config's sections)
     OLD_POLICY_ESTIMATORS,
@@ -17,6 +17,8 @@ from dagrl.config.algorithm import (  # noqa: F401 (re-exported: the config's se
     RolloutCorrectionConfig,
 )
 from dagrl.config.loader import ConfigError
+from dagrl.config.model_rewards import JudgeConfig, RewardModelConfig
+from dagrl.config.models import derive_model_configs
 from dagrl.device import DeviceChoice
 
 
@@ -113,8 +115,12 @@ class VLLMConfig:
     enable_prefix_caching: bool = True
     # Longest sequence vLLM plans for; 0: data.max_prompt_length + rollout.max_new_tokens.
     max_model_len: int = 0
+    # vLLM's own tensor parallelism: designed (docs/architecture.md), not built; values > 1
+    # are refused when the engine starts (on the CPU vLLM engines run one per worker).
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        _check(self.tensor_parallel_size > 0, "tensor_parallel_size must be > 0")
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
         _check(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb must be > 0")
         _check(self.max_model_len >= 0, "max_model_len must be >= 0 (0: derived)")
@@ -246,15 +252,36 @@ class ActorConfig(OptimConfig):
     # new sequence length may recompile once with dynamic shapes.
     compile: bool = False
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # Tensor parallelism: heads, MLP columns and the vocabulary split over this many
+    # consecutive workers on top of FSDP2 (engines/tensor_parallel.py); the reference and the
+    # critic use the same mesh.
+    tensor_parallel_size: int = 1
+    # Ulysses sequence parallelism: every sequence split over this many workers
+    # (engines/ulysses.py). tp x sp workers form one data-parallel replica holding the same
+    # samples on each of its ranks; trainer.n_workers / (tp x sp) replicas.
+    sequence_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        _check(self.tensor_parallel_size > 0, "tensor_parallel_size must be > 0")
+        _check(self.sequence_parallel_size > 0, "sequence_parallel_size must be > 0")
+        _check(self.model_parallel_size == 1 or not self.lora.rank,
+               "tensor_parallel_size / sequence_parallel_size > 1 with lora.rank > 0 is not "
+               "supported (peft wraps the linears the tensor-parallel plan shards)")
+        _check(self.model_parallel_size == 1 or not self.compile,
+               "tensor_parallel_size / sequence_parallel_size > 1 with compile=true is not "
+               "supported yet")
         _check(self.mini_batch_size > 0, "mini_batch_size must be > 0")
         _check(self.micro_batch_size > 0, "micro_batch_size must be > 0")
         _check(self.logits_chunk_tokens >= 0, "logits_chunk_tokens must be >= 0 (0: no chunks)")
         _check(self.max_tokens_per_micro_batch >= 0,
                "max_tokens_per_micro_batch must be >= 0 (0: micro_batch_size samples)")
         _check(self.ppo_epochs > 0, "ppo_epochs must be > 0")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Workers per data-parallel replica: tensor_parallel_size x sequence_parallel_size."""
+        return self.tensor_parallel_size * self.sequence_parallel_size
 
 
 @dataclass
@@ -292,6 +319,9 @@ class RefConfig:
 
 @dataclass
 class RewardConfig:
+    # Who scores the responses: `rule` (the fields below), `reward_model` (the reward_model
+    # section) or `judge` (the judge section); see dagrl/config/model_rewards.py.
+    source: Literal["rule", "reward_model", "judge"] = "rule"
     # `path/to/file.py:function` or `package.module:function`, verl's signature:
     # compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict.
     # Empty: the built-in scorer registered for each sample's data_source.
@@ -376,6 +406,7 @@ class TrainerConfig:
     # the per-layer all-gathers and reduce-scatters stay inside a node and only a gradient
     # all-reduce of each rank's shard crosses nodes (verl's fsdp_size). n_workers must be a
     # multiple of k. The numbers of a run do not change; docs/scaling.md shows what it buys.
+    # Not combined with actor.tensor_parallel_size / sequence_parallel_size > 1 (refused).
     fsdp_shard_size: int = 0
 
     def __post_init__(self) -> None:
@@ -443,24 +474,41 @@ class Config:
     ref: RefConfig = field(default_factory=RefConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     dag: DagConfig = field(default_factory=DagConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     profiler: ProfilerConfig = field(default_factory=ProfilerConfig)
+    # More trained policies, each a partial config over the model sections above (see
+    # dagrl/config/models.py); graph nodes name them with `model:`.
+    models: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Cross-section checks: the batch must split evenly into mini-batches and workers.
         _check(self.data.train_batch_size % self.actor.mini_batch_size == 0,
                f"actor.mini_batch_size ({self.actor.mini_batch_size}) must divide "
                f"data.train_batch_size ({self.data.train_batch_size})")
-        _check(not self.trainer.fsdp_shard_size
-               or self.trainer.n_workers % self.trainer.fsdp_shard_size == 0,
-               f"trainer.fsdp_shard_size ({self.trainer.fsdp_shard_size}) must divide "
-               f"trainer.n_workers ({self.trainer.n_workers})")
-        _check(self.actor.mini_batch_size % self.trainer.n_workers == 0,
+        a, workers = self.actor, self.trainer.n_workers
+        shard_size = self.trainer.fsdp_shard_size
+        _check(not shard_size or workers % shard_size == 0,
+               f"trainer.fsdp_shard_size ({shard_size}) must divide "
+               f"trainer.n_workers ({workers})")
+        _check(workers % a.model_parallel_size == 0,
+               f"actor.tensor_parallel_size ({a.tensor_parallel_size}) x "
+               f"actor.sequence_parallel_size ({a.sequence_parallel_size}) must divide "
+               f"trainer.n_workers ({workers})")
+        # HSDP's (replicate, shard) mesh is built for FSDP2 alone; the dp x sp x tp training
+        # mesh (engines/mesh.py) shards over all dp x sp ranks.
+        _check(not (0 < shard_size < workers) or a.model_parallel_size == 1,
+               f"trainer.fsdp_shard_size ({shard_size}) < trainer.n_workers ({workers}) (HSDP) "
+               f"with actor.tensor_parallel_size ({a.tensor_parallel_size}) / "
+               f"actor.sequence_parallel_size ({a.sequence_parallel_size}) > 1 is not "
+               "supported; set trainer.fsdp_shard_size=0 or both sizes to 1")
+        _check(self.actor.mini_batch_size % workers == 0,
                f"actor.mini_batch_size ({self.actor.mini_batch_size}) must be divisible by "
-               f"trainer.n_workers ({self.trainer.n_workers})")
+               f"trainer.n_workers ({workers})")
         _check(self.rollout.backend != "vllm" or not self.model.gguf_file,
                "rollout.backend=vllm loads model.path as a safetensors directory; export the "
                "GGUF model to one first (model.gguf_file must be empty)")
@@ -476,6 +524,9 @@ class Config:
         _check(not (self.trainer.val_every or self.trainer.val_before_train)
                or bool(self.data.val_files),
                "trainer.val_every / trainer.val_before_train need data.val_files")
+        self._check_reward_source()
+        # Each extra model's full config, built (and checked) once.
+        self.derived_models: dict[str, Config] = derive_model_configs(self)
         p = self.profiler
         _check(not p.enable or max(p.steps) <= self.trainer.total_steps,
                f"profiler.steps {p.steps} lie beyond trainer.total_steps "
@@ -483,8 +534,32 @@ class Config:
         _check(not p.enable or all(r < self.trainer.n_workers for r in p.ranks),
                f"profiler.ranks {p.ranks} must be < trainer.n_workers ({self.trainer.n_workers})")
 
+    def _check_reward_source(self) -> None:
+        r = self.reward
+        _check(r.source != "reward_model" or bool(self.reward_model.path),
+               "reward.source=reward_model needs reward_model.path (a sequence-classification "
+               "model directory or builtin:tiny-digit-rm)")
+        _check(r.source != "judge" or bool(self.judge.path),
+               "reward.source=judge needs judge.path (a causal LM directory)")
+        _check(r.source == "rule" or not (r.custom_fn or r.scorer),
+               f"reward.custom_fn / reward.scorer score rule rewards, but reward.source is "
+               f"{r.source!r}; unset them or set reward.source=rule")
+        _check(r.source == "rule" or not self.algorithm.gdpo_reward_keys,
+               "algorithm.gdpo_reward_keys reads the rule scorer's reward components; "
+               "reward.source must be rule")
+        _check(r.source == "rule" or self.algorithm.name != "remax",
+               "algorithm.name=remax scores its greedy baseline with the rule scorers; "
+               "reward.source must be rule")
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Data-parallel replicas of the training layout: trainer.n_workers / (tp x sp)."""
+        return self.trainer.n_workers // self.actor.model_parallel_size
+
     @property
     def mini_batch_samples_per_rank(self) -> int:
         """Samples per optimizer step on each worker: actor.mini_batch_size counts prompts over
-        all workers, each with rollout.n samples (actor and critic step on the same ones)."""
-        return self.actor.mini_batch_size * self.rollout.n // self.trainer.n_workers
+        all workers, each with rollout.n samples (actor and critic step on the same ones). The
+        ranks of one tensor/sequence-parallel replica step on the same samples, so this is per
+        replica."""
+        return self.actor.mini_batch_size * self.rollout.n // self.data_parallel_size

@@ -18,6 +18,9 @@ from dagrl.config.schema import Config
 from dagrl.dag.spec import GraphSpec, NodeSpec
 from dagrl.registry import Registry
 
+# The role of the `reward` node for each reward.source (roles/score.py, roles/model_reward.py).
+REWARD_ROLES = {"rule": "reward", "reward_model": "reward_model", "judge": "judge"}
+
 BUILTIN_GRAPHS: Registry[Callable[[Config], GraphSpec]] = Registry("built-in graph")
 
 
@@ -53,7 +56,8 @@ def policy_graph(name: str, cfg: Config, *, greedy_baseline: bool = False,
     if greedy_baseline:
         nodes.append(NodeSpec("greedy_baseline", "greedy_baseline"))
     nodes.append(NodeSpec("rollout", "rollout", ("greedy_baseline",) if greedy_baseline else ()))
-    nodes.append(NodeSpec("reward", "reward", ("rollout",)))
+    # reward.source picks the role that scores: rule scorers, a reward model or a judge.
+    nodes.append(NodeSpec("reward", REWARD_ROLES[cfg.reward.source], ("rollout",)))
     source = "reward"    # what the forward passes read: the batch after filtering, if any
     if dynamic_sampling:
         nodes.append(NodeSpec("filter", "filter", ("reward",)))

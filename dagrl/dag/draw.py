@@ -25,6 +25,17 @@ COLOURS = {"train": "#f4a582", "model": "#92c5de", "other": "#d9f0d3",
 LEGEND = [("train", "training node"), ("model", "model forward / generation"),
           ("other", "reward, advantage, other"), ("reshard", "reshard"),
           ("balance", "balance")]
+# Several policies (config `models`): each extra model's nodes get an outline colour, and
+# edges where data passes from one policy's nodes to another's are drawn in CROSS_MODEL.
+MODEL_OUTLINES = ["#1b7837", "#762a83", "#b35806", "#2166ac"]
+CROSS_MODEL = "#d6604d"
+
+
+def model_outlines(graph: GraphSpec) -> dict[str, str]:
+    """Outline colour per policy: '' (the main one) black, each extra model its own."""
+    extra = sorted({n.model for n in graph.nodes if n.model})
+    return {"": "#333", **{m: MODEL_OUTLINES[i % len(MODEL_OUTLINES)]
+                           for i, m in enumerate(extra)}}
 
 
 def _colour(role: str) -> str:
@@ -34,7 +45,9 @@ def _colour(role: str) -> str:
 
 
 def _task_colour(task: Task) -> str:
-    return _colour(task.role) if task.kind == "node" else COLOURS[task.kind]
+    if task.kind == "node":
+        return _colour(task.role)
+    return COLOURS.get(task.kind, COLOURS["reshard"])   # replicate / unreplicate: moves too
 
 
 def _label(node_id: str, role: str) -> str:
@@ -44,6 +57,7 @@ def _label(node_id: str, role: str) -> str:
 def to_dot(graph: GraphSpec, order: list[str], plans: list[RankPlan]) -> str:
     """The graph, and one cluster per rank with its tasks in order."""
     q = _dot_quote
+    outlines = model_outlines(graph)
     lines = [f"digraph {q(graph.name)} {{", "  rankdir=TB;", "  compound=true;",
              '  node [shape=box, style="rounded,filled", fontname="Helvetica", fontsize=11];',
              f"  subgraph cluster_graph {{ label={q('graph ' + graph.name)};"]
@@ -51,11 +65,17 @@ def to_dot(graph: GraphSpec, order: list[str], plans: list[RankPlan]) -> str:
         node = graph.node(node_id)
         extra = f"\nranks {','.join(map(str, node.options['ranks']))}" \
             if "ranks" in node.options else ""
+        if node.model:
+            extra += f"\nmodel {node.model}"
         lines.append(f"    {q('n:' + node_id)} [label={q(_label(node_id, node.role) + extra)}, "
-                     f"fillcolor={q(_colour(node.role))}];")
+                     f"fillcolor={q(_colour(node.role))}, "
+                     f"color={q(outlines[node.model])}, penwidth={2 if node.model else 1}];")
     for node_id in order:
-        for dep in graph.node(node_id).deps:
-            lines.append(f"    {q('n:' + dep)} -> {q('n:' + node_id)};")
+        node = graph.node(node_id)
+        for dep in node.deps:
+            cross = (f" [color={q(CROSS_MODEL)}, penwidth=2, label={q('data between models')}]"
+                     if graph.node(dep).model != node.model else "")
+            lines.append(f"    {q('n:' + dep)} -> {q('n:' + node_id)}{cross};")
     lines.append("  }")
     for plan in plans:
         lines.append(f"  subgraph cluster_rank{plan.rank} {{ label={q(f'rank {plan.rank}')};")
@@ -88,10 +108,12 @@ SWATCH = 12
 
 
 def _node_label(graph: GraphSpec, node_id: str) -> str:
-    """`id [role]`, with `@0,1` when the node is placed on a subset of ranks."""
+    """`id [role]`, with `@0,1` when the node is placed on a subset of ranks and `(model)`
+    when it belongs to an extra policy."""
     node = graph.node(node_id)
     ranks = node.options.get("ranks")
-    return _label(node_id, node.role) + (f" @{','.join(map(str, ranks))}" if ranks else "")
+    return (_label(node_id, node.role) + (f" @{','.join(map(str, ranks))}" if ranks else "")
+            + (f" ({node.model})" if node.model else ""))
 
 
 def to_svg(graph: GraphSpec, order: list[str], plans: list[RankPlan]) -> str:
@@ -104,7 +126,15 @@ def to_svg(graph: GraphSpec, order: list[str], plans: list[RankPlan]) -> str:
     width_of = {n: CHAR_W * len(labels[n]) + 20 for n in order}
     row_widths = {d: sum(width_of[n] for n in ids) + COL_GAP * (len(ids) - 1)
                   for d, ids in rows.items()}
-    legend_w = SWATCH + 6 + CHAR_W * max(len(m) for _, m in LEGEND)
+    outlines = model_outlines(graph)
+    # Legend entries for the policies, when there are several: (fill, outline, meaning).
+    model_legend = [("white", c, f"model {m or 'main policy'}") for m, c in outlines.items()]
+    if len(outlines) > 1:
+        model_legend.append((CROSS_MODEL, CROSS_MODEL, "data between models"))
+    else:
+        model_legend = []
+    legend_w = SWATCH + 6 + CHAR_W * max(len(m) for m in [*(m for _, m in LEGEND),
+                                                          *(m for _, _, m in model_legend)])
     graph_w = max(max(row_widths.values()), legend_w) + 2 * PAD
     title_h = 28
     pos: dict[str, tuple[float, float]] = {}      # centre of each node's box
@@ -118,12 +148,17 @@ def to_svg(graph: GraphSpec, order: list[str], plans: list[RankPlan]) -> str:
         x2, y2 = pos[n]
         for dep in graph.node(n).deps:
             x1, y1 = pos[dep]
+            cross = graph.node(dep).model != graph.node(n).model
+            stroke, w = (CROSS_MODEL, 2.2) if cross else ("#555", 1.2)
+            cls = ' class="cross-model"' if cross else ""
             parts.append(f'<line x1="{x1:.1f}" y1="{y1 + BOX_H / 2:.1f}" x2="{x2:.1f}" '
-                         f'y2="{y2 - BOX_H / 2:.1f}" stroke="#555" stroke-width="1.2" '
-                         f'marker-end="url(#arrow)"/>')
+                         f'y2="{y2 - BOX_H / 2:.1f}" stroke="{stroke}" stroke-width="{w}" '
+                         f'marker-end="url(#arrow)"{cls}/>')
     for n in order:
+        node = graph.node(n)
         parts.append(_box(pos[n][0] - width_of[n] / 2, pos[n][1] - BOX_H / 2, width_of[n],
-                          _colour(graph.node(n).role), labels[n], node_id=n))
+                          _colour(node.role), labels[n], node_id=n,
+                          outline=outlines[node.model]))
     graph_h = title_h + PAD + len(rows) * (BOX_H + ROW_GAP)
     # Legend: a swatch and its meaning per colour, one per line under the graph.
     for i, (key, meaning) in enumerate(LEGEND):
@@ -132,6 +167,12 @@ def to_svg(graph: GraphSpec, order: list[str], plans: list[RankPlan]) -> str:
                      f'height="{SWATCH}" fill="{COLOURS[key]}" stroke="#333" stroke-width="1"/>'
                      + _text(PAD + SWATCH + 6, y + SWATCH - 2, meaning) + "</g>")
     graph_h += len(LEGEND) * (SWATCH + 4)
+    for i, (fill, outline, meaning) in enumerate(model_legend):
+        y = graph_h + i * (SWATCH + 4)
+        parts.append(f'<g class="legend"><rect x="{PAD:.1f}" y="{y:.1f}" width="{SWATCH}" '
+                     f'height="{SWATCH}" fill="{fill}" stroke="{outline}" stroke-width="2"/>'
+                     + _text(PAD + SWATCH + 6, y + SWATCH - 2, meaning) + "</g>")
+    graph_h += len(model_legend) * (SWATCH + 4)
     # Per-rank task lists, side by side.
     x = graph_w + 2 * PAD
     plan_h = 0.0
@@ -155,11 +196,12 @@ def to_svg(graph: GraphSpec, order: list[str], plans: list[RankPlan]) -> str:
 
 
 def _box(x: float, y: float, w: float, fill: str, label: str, rounded: bool = True,
-         node_id: str = "") -> str:
+         node_id: str = "", outline: str = "#333") -> str:
     r = 6 if rounded else 0
     data = f' data-node="{escape(node_id)}"' if node_id else ""
+    width = 1 if outline == "#333" else 2.5
     return (f'<g{data}><rect x="{x:.1f}" y="{y:.1f}" width="{w:.1f}" height="{BOX_H}" rx="{r}" '
-            f'fill="{fill}" stroke="#333" stroke-width="1"/>'
+            f'fill="{fill}" stroke="{outline}" stroke-width="{width}"/>'
             + _text(x + w / 2, y + BOX_H / 2 + 4, label, anchor="middle") + "</g>")
 
 

@@ -6,35 +6,87 @@ different sets of ranks (a node's `ranks` option; default: all ranks); a balance
 a training node on several ranks, re-assigns whole groups so that ranks hold similar token
 counts. Reshard and balance tasks are collective, so they appear in every rank's list; a node
 task only in the lists of the ranks that host the node.
+
+Two kinds of layout. *Sharded* (the rollout layout): each rank of the node's ranks holds its
+own samples. *Replicated* (the training layout under tensor or sequence parallelism, `group` =
+tp x sp > 1): the workers form world / group data-parallel replicas of `group` consecutive
+ranks, and every rank of a replica holds all of the replica's samples (its ranks run the model
+together). Nodes whose role runs a parallel model (`model_roles`) need the replicated layout;
+other nodes on all ranks run in whichever layout the batch is in (each rank of a replica then
+computes the same result); nodes on a subset of ranks need a sharded layout. Between them:
+
+  replicate    sharded -> replicated: whole groups balanced over the replicas (one
+               all_to_all), then gathered within each replica (one all-gather)
+  unreplicate  replicated -> sharded: rank i of a replica keeps the i-th 1/group of its
+               groups; no data moves
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 from dagrl.dag.spec import GraphError, GraphSpec, NodeSpec
+
+KiB = 1024
 
 
 @dataclass(frozen=True)
 class Task:
-    kind: str                      # "node" | "reshard" | "balance"
+    kind: str                      # "node" | "reshard" | "balance" | "replicate" | "unreplicate"
     node_id: str = ""
     role: str = ""
     src: tuple[int, ...] = ()      # reshard: ranks holding the data before
     dst: tuple[int, ...] = ()      # reshard: ranks that must hold it after
+    group: int = 1                 # ranks per replica of the layout the task runs in / makes
+    samples_in: float = 0.0        # moves: samples a rank receives at most (0: unknown)
+    sample_bytes: int = 0          # moves: tensor bytes of one sample at this point
+    model: str = ""                # node: the policy it uses ('' = the main one)
 
     def describe(self) -> str:
         if self.kind == "node":
-            return f"run {self.node_id} [{self.role}]"
+            where = f" on {len(self.dst) // self.group} replicas" if self.group > 1 else ""
+            model = f" @{self.model}" if self.model else ""
+            return f"run {self.node_id} [{self.role}{model}]{where}"
         if self.kind == "balance":
-            return f"balance tokens over {_ranks(self.dst)} (before {self.node_id})"
-        return f"reshard {_ranks(self.src)} -> {_ranks(self.dst)} (before {self.node_id})"
+            if self.group > 1:
+                text = (f"balance tokens over the {len(self.dst) // self.group} replicas of "
+                        f"{self.group} ranks (before {self.node_id})")
+            else:
+                text = f"balance tokens over {_ranks(self.dst)} (before {self.node_id})"
+        elif self.kind == "replicate":
+            text = (f"reshard {_ranks(self.src)} -> training layout: "
+                    f"{len(self.dst) // self.group} replica(s) x {self.group} ranks (tp x sp), "
+                    f"groups balanced over replicas, each sample on every rank of its replica "
+                    f"(before {self.node_id})")
+        elif self.kind == "unreplicate":
+            return (f"reshard training layout -> {_ranks(self.dst)}: each rank keeps 1/"
+                    f"{self.group} of its replica's groups, no data moves (before "
+                    f"{self.node_id})")
+        else:
+            text = f"reshard {_ranks(self.src)} -> {_ranks(self.dst)} (before {self.node_id})"
+        return text + self._volume()
+
+    def _volume(self) -> str:
+        if not self.samples_in or not self.sample_bytes:
+            return ""
+        total = self.samples_in * self.sample_bytes
+        return (f"; <= {self.samples_in:g} samples x {self.sample_bytes} B = "
+                f"{total / KiB:.1f} KiB into a rank")
 
 
 @dataclass(frozen=True)
 class RankPlan:
     rank: int
     tasks: tuple[Task, ...]
+
+
+@dataclass(frozen=True)
+class PlanSizes:
+    """What `dagrl plan` needs to put byte counts on the moves: global samples and tensor
+    bytes per sample as the batch reaches each node (before it runs)."""
+    samples: Mapping[str, int]
+    sample_bytes: Mapping[str, int]
 
 
 def _ranks(ranks: tuple[int, ...]) -> str:
@@ -55,24 +107,73 @@ def node_ranks(node: NodeSpec, world_size: int) -> tuple[int, ...]:
 
 
 def make_plan(graph: GraphSpec, order: list[str], world_size: int,
-              balance_roles: frozenset[str] = frozenset()) -> list[RankPlan]:
+              balance_roles: frozenset[str] = frozenset(), *, group: int = 1,
+              model_roles: frozenset[str] = frozenset(),
+              sizes: PlanSizes | None = None) -> list[RankPlan]:
     """One RankPlan per rank for the nodes in `order` (from `validate_graph`); nodes whose
-    role is in `balance_roles` (the training roles) get a balance task when on several ranks."""
+    role is in `balance_roles` (the training roles) get a balance task when on several ranks
+    (replicas). `group` > 1: nodes whose role is in `model_roles` run in the replicated layout
+    of world_size / group replicas (module docstring). `sizes`: volumes for the moves."""
     everyone = tuple(range(world_size))
-    layout = everyone                      # the prompts start spread over all ranks
+    if world_size % group:
+        raise GraphError(f"{world_size} ranks do not split into replicas of {group}")
+    layout, replicated = everyone, 1       # the prompts start spread over all ranks
     tasks: list[Task] = []
     for node_id in order:
         node = graph.node(node_id)
         ranks = node_ranks(node, world_size)
-        if ranks != layout:
-            tasks.append(Task("reshard", node_id, node.role, src=layout, dst=ranks))
-            layout = ranks
-        if node.role in balance_roles and len(ranks) > 1:
-            tasks.append(Task("balance", node_id, node.role, src=ranks, dst=ranks))
-        tasks.append(Task("node", node_id, node.role, dst=ranks))
-    # Reshards involve every rank; nodes and balances only the ranks of their layout.
-    return [RankPlan(r, tuple(t for t in tasks if t.kind == "reshard" or r in t.dst))
+        if group > 1 and node.role in model_roles:
+            if ranks != everyone:
+                raise GraphError(f"node {node.id!r} runs a tensor/sequence-parallel model, so "
+                                 "it must run on every rank (drop its options.ranks)")
+            want = (everyone, group)
+        elif replicated > 1 and ranks == everyone:
+            want = (everyone, replicated)      # stays in the replicas: no move
+        else:
+            want = (ranks, 1)
+        if want != (layout, replicated):
+            if replicated > 1:
+                tasks.append(Task("unreplicate", node_id, node.role, src=everyone,
+                                  dst=everyone, group=replicated))
+                layout, replicated = everyone, 1
+            if want[1] > 1:
+                tasks.append(Task("replicate", node_id, node.role, src=layout, dst=everyone,
+                                  group=want[1]))
+            elif want[0] != layout:
+                tasks.append(Task("reshard", node_id, node.role, src=layout, dst=want[0]))
+            layout, replicated = want
+        n_parts = len(ranks) // replicated
+        # A replicate task balances the replicas as it fills them.
+        if node.role in balance_roles and n_parts > 1 and tasks and tasks[-1].kind != "replicate":
+            tasks.append(Task("balance", node_id, node.role, src=ranks, dst=ranks,
+                              group=replicated))
+        tasks.append(Task("node", node_id, node.role, dst=ranks, group=replicated,
+                          model=node.model))
+    if sizes is not None:
+        tasks = [_with_volume(t, sizes, world_size) for t in tasks]
+    # Moves involve every rank; nodes and balances only the ranks of their layout.
+    moves = ("reshard", "replicate", "unreplicate")
+    return [RankPlan(r, tuple(t for t in tasks if t.kind in moves or r in t.dst))
             for r in everyone]
+
+
+def _with_volume(task: Task, sizes: PlanSizes, world_size: int) -> Task:
+    """The most samples one rank receives in a move (balances: at most its whole share)."""
+    samples = sizes.samples.get(task.node_id, 0)
+    if task.kind == "reshard":
+        into = samples / len(task.dst)
+    elif task.kind == "balance":
+        into = samples / (len(task.dst) // task.group)
+    elif task.kind == "replicate":
+        # The all-gather brings the other group - 1 ranks' shares of the replica; balancing
+        # over several replicas first brings at most a rank's whole share.
+        replicas = world_size // task.group
+        into = samples / replicas * (task.group - 1) / task.group
+        if replicas > 1:
+            into += samples / world_size
+    else:
+        return task
+    return replace(task, samples_in=into, sample_bytes=sizes.sample_bytes.get(task.node_id, 0))
 
 
 def format_plan(graph: GraphSpec, order: list[str], plans: list[RankPlan]) -> str:
@@ -82,7 +183,8 @@ def format_plan(graph: GraphSpec, order: list[str], plans: list[RankPlan]) -> st
         node = graph.node(node_id)
         deps = ", ".join(node.deps) if node.deps else "-"
         opts = f"  {dict(node.options)}" if node.options else ""
-        lines.append(f"  {node.id:<14} role={node.role:<14} deps: {deps}{opts}")
+        model = f"  model={node.model}" if node.model else ""
+        lines.append(f"  {node.id:<14} role={node.role:<14} deps: {deps}{opts}{model}")
     for plan in plans:
         lines.append(f"rank {plan.rank}:")
         lines.extend(f"  {i}. {task.describe()}" for i, task in enumerate(plan.tasks, 1))

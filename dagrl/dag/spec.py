@@ -9,6 +9,9 @@ Written in YAML:
       - {id: adv, role: advantage, deps: [reward]}
       - {id: update, role: actor_update, deps: [adv]}
 
+A node may name the policy it uses (`model: refiner`, one of the config's `models`; see
+dagrl/config/models.py); without it, the main policy.
+
 or built in Python with `GraphSpec(name, [NodeSpec(...), ...])`. `validate_graph` checks it and
 returns the execution order; its errors name the nodes at fault.
 """
@@ -37,6 +40,8 @@ class NodeSpec:
     # Role-specific settings, plus placement: `ranks: [0, 1]` runs the node on a subset of the
     # workers (the data is moved there and back by the planner's reshard tasks).
     options: Mapping[str, Any] = field(default_factory=dict)
+    # Which policy the node uses: '' the main one, else a name from the config's `models`.
+    model: str = ""
 
 
 @dataclass(frozen=True)
@@ -55,7 +60,7 @@ class GraphSpec:
         return {n.role for n in self.nodes}
 
 
-_NODE_KEYS = {"id", "role", "deps", "options"}
+_NODE_KEYS = {"id", "role", "deps", "options", "model"}
 
 
 def graph_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> GraphSpec:
@@ -77,7 +82,7 @@ def graph_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> GraphSpe
         if isinstance(deps, str):
             deps = [deps]
         nodes.append(NodeSpec(str(raw["id"]), str(raw["role"]), tuple(str(d) for d in deps),
-                              dict(raw.get("options") or {})))
+                              dict(raw.get("options") or {}), str(raw.get("model") or "")))
     return GraphSpec(str(data.get("name", Path(source).stem)), tuple(nodes))
 
 

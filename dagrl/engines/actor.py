@@ -35,7 +35,7 @@ class ActorEngine(TrainEngine):
     def __init__(self, model: torch.nn.Module, cfg: ActorConfig, algo: AlgorithmConfig, *,
                  temperature: float, mini_batch_samples: int, pack_sequences: bool = False,
                  mixed_precision: str = "none",
-                 dp_group: dist.ProcessGroup | None = None) -> None:
+                 dp_group: dist.ProcessGroup | None = None, grad_scale: int = 0) -> None:
         """`temperature`: the T of log softmax(z / T), the one the rollout recorded
         (`rollout.sampling.logprob_temperature`)."""
         super().__init__(model, cfg, loss_agg_mode=algo.loss_agg_mode,
@@ -43,7 +43,7 @@ class ActorEngine(TrainEngine):
                          micro_batch_size=cfg.micro_batch_size, epochs=cfg.ppo_epochs,
                          max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
                          pack_sequences=pack_sequences, mixed_precision=mixed_precision,
-                         dp_group=dp_group)
+                         dp_group=dp_group, grad_scale=grad_scale)
         self.cfg, self.algo = cfg, algo
         self.temperature = temperature
         self.policy_loss_fn = POLICY_LOSSES.get(algo.policy_loss)

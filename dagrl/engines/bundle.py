@@ -1,12 +1,14 @@
 """The models and services one worker hosts, built only for the roles its plan runs.
 
-Actor and reference are FSDP2-sharded over all workers (under LoRA the reference is the
-actor's own model with its adapters off, engines/lora.py); the rollout engine holds a full,
-unsharded copy on each worker (generation needs every weight at every step), except with one
-worker and the native decoder, which then reads the actor's own weights. After each actor
-update every worker takes part in gathering the full weights, bucket by bucket
-(engines/weight_sync.py), and the ones that generate copy them into their rollout engine in
-place, so no second full copy of the model is held.
+Actor and reference are FSDP2-sharded over all workers, or (HSDP, trainer.fsdp_shard_size)
+over groups of workers and replicated across them (under LoRA the reference is the
+actor's own model with its adapters off, engines/lora.py); with tensor / sequence
+parallelism they and the critic share one dp x sp x tp mesh (engines/mesh.py). The rollout
+engine holds a full, unsharded copy on each worker (generation needs every weight at every
+step), except with one worker and the native decoder, which then reads the actor's own
+weights. After each actor update every worker takes part in gathering the full weights, bucket
+by bucket (engines/weight_sync.py), and the ones that generate copy them into their rollout
+engine in place, so no second full copy of the model is held.
 """
 
 from __future__ import annotations
@@ -30,12 +32,18 @@ from dagrl.engines.host_memory import (
     map_large_blocks,
 )
 from dagrl.engines.lora import ReferenceView, apply_lora, is_lora, plain_copy
+from dagrl.engines.mesh import build_train_mesh, parallelize_model
 from dagrl.engines.models import DTYPES, cast_copy, load_model, load_tokenizer
 from dagrl.engines.precision import store_linears_in_low_precision
+from dagrl.engines.reward_model import RewardModelEngine, load_reward_model
 from dagrl.engines.sharding import checkpoint_activations, compile_layers, shard_model
+from dagrl.rewards.judge import Judge
 from dagrl.rewards.manager import RewardManager
-from dagrl.rollout import RolloutEngine, build_rollout
+from dagrl.rollout import RolloutEngine, build_rollout, model_rollout
 from dagrl.rollout.sampling import logprob_temperature
+
+# The engines whose models live on the training mesh (tensor / sequence parallelism).
+MESH_ENGINES = frozenset({"actor", "ref", "critic"})
 
 
 @dataclass
@@ -46,6 +54,8 @@ class Engines:
     rollout: RolloutEngine | None = None
     ref_model: torch.nn.Module | None = None
     reward_manager: RewardManager | None = None
+    reward_model: RewardModelEngine | None = None
+    judge: Judge | None = None
     kl_controller: FixedKLController | AdaptiveKLController | None = None
     log: Callable[[str], None] = field(default=print)
     synced_version: int = 0   # the actor version the rollout engines hold (the same on every rank)
@@ -85,16 +95,28 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
     def load(dtype: str = m.dtype) -> torch.nn.Module:
         return load_model(m.path, m.gguf_file, dtype, device, m.attn_implementation)
 
+    a = cfg.actor
+    parallel = a.model_parallel_size > 1 and world_size > 1
+    # Tensor / sequence parallelism: one (dp, sp, tp) mesh for the actor, reference and critic.
+    mesh = (build_train_mesh(world_size, a.tensor_parallel_size, a.sequence_parallel_size,
+                             device.type) if parallel and needed & MESH_ENGINES else None)
+
     def shard(model: torch.nn.Module) -> torch.nn.Module:
+        if mesh is not None:
+            return parallelize_model(model, mesh)
+        # FSDP2 over all workers, or HSDP over groups of trainer.fsdp_shard_size (tp = sp = 1)
         return shard_model(model, world_size, device.type, cfg.trainer.fsdp_shard_size)
 
     if tokenizer is None:
         tokenizer = load_tokenizer(m.path, m.gguf_file)
     engines = Engines(tokenizer=tokenizer, log=log)
-    dp_group = dist.group.WORLD if world_size > 1 else None
+    if mesh is not None:   # sums over the replicas; gradients averaged over dp x sp ranks
+        dp_group, grad_scale = mesh.dp_group, mesh.fsdp_size
+    else:
+        dp_group, grad_scale = (dist.group.WORLD if world_size > 1 else None), 0
     if "actor" in needed:
         actor_model = load()
-        lora = cfg.actor.lora
+        lora = a.lora
         if lora.rank:
             actor_model = apply_lora(actor_model, lora.rank, lora.alpha, lora.target_modules,
                                      lora.dropout)
@@ -106,7 +128,8 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
                                     temperature=logprob_temperature(cfg.rollout.temperature),
                                     mini_batch_samples=cfg.mini_batch_samples_per_rank,
                                     pack_sequences=m.pack_sequences,
-                                    mixed_precision=m.mixed_precision, dp_group=dp_group)
+                                    mixed_precision=m.mixed_precision, dp_group=dp_group,
+                                    grad_scale=grad_scale)
     if "critic" in needed:
         critic_model = load_value_model(cfg.critic.path or m.path, m.dtype, device,
                                         m.attn_implementation)
@@ -114,7 +137,8 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
                                       loss_agg_mode=cfg.algorithm.loss_agg_mode,
                                       mini_batch_samples=cfg.mini_batch_samples_per_rank,
                                       pack_sequences=m.pack_sequences,
-                                      mixed_precision=m.mixed_precision, dp_group=dp_group)
+                                      mixed_precision=m.mixed_precision, dp_group=dp_group,
+                                      grad_scale=grad_scale)
     if "rollout" in needed:
         # Starts from the same checkpoint as the actor: nothing to sync before the first update.
         # One worker: the native decoder reads the actor's own (whole) weights, no copy,
@@ -150,8 +174,24 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
         r = cfg.reward
         engines.reward_manager = RewardManager(on_error=r.on_error, custom_fn=r.custom_fn,
                                                error_score=r.error_score, scorer=r.scorer)
-    a = cfg.algorithm
-    if a.kl_in_reward:
-        engines.kl_controller = (AdaptiveKLController(a.kl_coef, a.kl_target, a.kl_horizon)
-                                 if a.kl_ctrl == "adaptive" else FixedKLController(a.kl_coef))
+    if "reward_model" in needed:   # FSDP2 / HSDP over the workers (no tp/sp), never trained
+        rm = cfg.reward_model
+        engines.reward_model = RewardModelEngine(
+            shard_model(load_reward_model(rm.path, rm.dtype, device, m.attn_implementation),
+                        world_size, device.type, cfg.trainer.fsdp_shard_size),
+            load_tokenizer(rm.path), micro_batch_size=rm.micro_batch_size,
+            max_length=rm.max_length, device=device)
+    if "judge" in needed:   # a whole copy per rank, like the rollout engine
+        j = cfg.judge
+        judge_tokenizer = load_tokenizer(j.path, j.gguf_file)
+        engine = model_rollout(j.backend, load_model(j.path, j.gguf_file, j.dtype, device,
+                                                     m.attn_implementation).eval(),
+                               eos_token_id=judge_tokenizer.eos_token_id,
+                               pad_token_id=judge_tokenizer.pad_token_id)
+        engines.judge = Judge(j, engine, judge_tokenizer)
+    algo = cfg.algorithm
+    if algo.kl_in_reward:
+        engines.kl_controller = (AdaptiveKLController(algo.kl_coef, algo.kl_target,
+                                                      algo.kl_horizon)
+                                 if algo.kl_ctrl == "adaptive" else FixedKLController(algo.kl_coef))
     return engines

@@ -39,14 +39,14 @@ class CriticEngine(TrainEngine):
     def __init__(self, model: torch.nn.Module, cfg: CriticConfig, *, loss_agg_mode: str,
                  mini_batch_samples: int, pack_sequences: bool = False,
                  mixed_precision: str = "none",
-                 dp_group: dist.ProcessGroup | None = None) -> None:
+                 dp_group: dist.ProcessGroup | None = None, grad_scale: int = 0) -> None:
         """`mini_batch_samples`: the actor's (the critic steps on the same mini-batches)."""
         super().__init__(model, cfg, loss_agg_mode=loss_agg_mode,
                          mini_batch_samples=mini_batch_samples,
                          micro_batch_size=cfg.micro_batch_size, epochs=cfg.ppo_epochs,
                          max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
                          pack_sequences=pack_sequences, mixed_precision=mixed_precision,
-                         dp_group=dp_group)
+                         dp_group=dp_group, grad_scale=grad_scale)
         self.cfg = cfg
 
     def compute_values(self, batch: Batch) -> torch.Tensor:

@@ -14,6 +14,8 @@ from torch.utils.checkpoint import checkpoint
 from dagrl.algorithms.utils import entropy_from_logits, logprobs_from_logits
 from dagrl.data.batch import Batch
 from dagrl.engines.micro_batches import micro_batches
+from dagrl.engines.ulysses import SequenceShard, sequence_parallel_mesh, shard_sequence, sum_rows
+from dagrl.engines.vocab_parallel import is_vocab_sharded, vocab_parallel_token_stats
 from dagrl.rollout.hf import position_ids_from_mask
 
 # Rows of [tokens, vocab] logits computed at once by the head of a teacher-forced pass.
@@ -57,10 +59,39 @@ def _packed_inputs(prompt_ids, prompt_mask, responses, response_mask):
     return tokens[keep][None], positions[keep][None], predicting
 
 
+def _global_layout(prompt_ids, prompt_mask, responses, response_mask, pack: bool):
+    """The [B, T] input of either layout for sequence parallelism: (input_ids, position_ids,
+    valid = real tokens, wanted [N] = flat indices into [B * T] of the positions predicting
+    each used response token, row-major over the response mask)."""
+    if pack:
+        input_ids, positions, predicting = _packed_inputs(prompt_ids, prompt_mask, responses,
+                                                          response_mask)
+        return input_ids, positions, torch.ones_like(input_ids, dtype=torch.bool), predicting
+    input_ids, attention, prompt_len, last = _trimmed_inputs(prompt_ids, prompt_mask, responses,
+                                                             response_mask)
+    rows, cols = response_mask[:, :last].bool().nonzero(as_tuple=True)
+    wanted = rows * input_ids.shape[1] + prompt_len - 1 + cols
+    return input_ids, position_ids_from_mask(attention), attention.bool(), wanted
+
+
+def _sequence_shard(model: torch.nn.Module, mesh, prompt_ids, prompt_mask, responses,
+                    response_mask, pack: bool) -> SequenceShard:
+    layout = _global_layout(prompt_ids, prompt_mask, responses, response_mask, pack)
+    return shard_sequence(mesh, *layout, dtype=model.dtype)
+
+
 def _response_outputs(model: torch.nn.Module, prompt_ids, prompt_mask, responses,
                       response_mask, pack: bool) -> torch.Tensor:
     """Run the model on [prompt | response] and return its outputs at the positions that
     *predict* each used response token: [N, ...] (row-major over the response mask)."""
+    mesh = sequence_parallel_mesh(model)
+    if mesh is not None:   # this rank's 1/sp of every sequence (ulysses.py)
+        shard = _sequence_shard(model, mesh, prompt_ids, prompt_mask, responses, response_mask,
+                                pack)
+        out = model(input_ids=shard.input_ids, position_ids=shard.position_ids,
+                    attention_mask=shard.mask, use_cache=False).logits    # [B, T/sp, C]
+        local = out.reshape(-1, out.shape[-1])[shard.rows]
+        return sum_rows(local, shard, int(response_mask.bool().sum()), mesh)
     if pack:
         input_ids, positions, predicting = _packed_inputs(prompt_ids, prompt_mask, responses,
                                                           response_mask)
@@ -80,7 +111,11 @@ def _token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
                     with_sum_pi_squared: bool = False) -> torch.Tensor:
     """One chunk of the head: hidden [n, H], targets [n] -> [n, 3] = (log softmax(z/T)[y],
     entropy of softmax(z/T), Σ_v softmax(z/T)_v²) with z = W h + b; the last two are 0 unless
-    asked for. Only this chunk's [n, V] logits are alive."""
+    asked for. Only this chunk's [n, V] logits are alive; with the head sharded over the
+    vocabulary (tensor parallelism) only [n, V / tp] of them (vocab_parallel.py)."""
+    if is_vocab_sharded(weight):
+        return vocab_parallel_token_stats(hidden, weight, bias, targets, temperature,
+                                          with_entropy, with_sum_pi_squared)
     z = F.linear(hidden, weight, bias).float() / temperature                # [n, V]
     logprobs = logprobs_from_logits(z, targets)
     entropy = entropy_from_logits(z) if with_entropy else torch.zeros_like(logprobs)
@@ -134,13 +169,30 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
     states alone, in chunks of `chunk_tokens` (0: all at once). `pack`: the rows go through
     the model as one packed row without padding (`_packed_inputs`); otherwise padded, minus
     the columns that are padding in every row, keeping only the response positions'
-    hidden states (`logits_to_keep`).
+    hidden states (`logits_to_keep`). A model set up for sequence parallelism (ulysses.py)
+    runs 1/sp of the columns of either layout on each rank; the per-token results are summed
+    over the sp group, so every rank returns the whole [B, R].
     """
     batch, resp_len = responses.shape
     used = response_mask.bool()                                               # [B, R]
     targets = responses[used]                                                 # [N]
     head = model.get_output_embeddings()
-    if pack:
+    mesh = sequence_parallel_mesh(model)
+    finish = None
+    if mesh is not None:   # this rank's 1/sp of every sequence (ulysses.py)
+        shard = _sequence_shard(model, mesh, prompt_ids, prompt_mask, responses, response_mask,
+                                pack)
+        input_ids = shard.input_ids
+        kwargs = {"position_ids": shard.position_ids, "attention_mask": shard.mask}
+        n_used = len(targets)
+        targets = targets[shard.order]                                        # [n] here
+
+        def pick(hidden: torch.Tensor) -> torch.Tensor:                      # [B, T/sp, H]
+            return hidden.reshape(-1, hidden.shape[-1])[shard.rows]           # [n, H]
+
+        def finish(rows: torch.Tensor) -> torch.Tensor:                      # [n, 3] -> [N, 3]
+            return sum_rows(rows, shard, n_used, mesh)
+    elif pack:
         input_ids, positions, predicting = _packed_inputs(prompt_ids, prompt_mask, responses,
                                                           response_mask)
         kwargs = {"position_ids": positions}
@@ -164,6 +216,8 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
 
     with _head_forward(head, head_forward):
         per_token = model(input_ids=input_ids, use_cache=False, **kwargs).logits  # [N, 3]
+    if finish is not None:
+        per_token = finish(per_token)
     out = per_token.new_zeros(batch, resp_len, 3)
     out[used] = per_token                                                     # [B, R, 3]
     return ResponseLogprobs(out[..., 0], out[..., 1] if with_entropy else None,

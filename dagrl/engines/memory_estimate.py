@@ -3,14 +3,23 @@ and the run's config before anything loads, so a run that cannot fit is changed 
 starts (the run report then sets the estimate beside the measured peak).
 
 With P parameters (b bytes each), T of them trained (all, or the LoRA adapters), W workers
-(FSDP2 shards everything trained over all of them), one worker's R rollout rows and M samples
-per micro-batch of S = prompt + response tokens:
+(FSDP2 shards everything trained over all of them; under HSDP, trainer.fsdp_shard_size = k,
+W below stands for k: each group of k ranks holds a whole copy), one worker's R rollout rows
+and M samples per micro-batch of S = prompt + response tokens:
 
     actor weights      P b / W
     gradients          T b / W                 (freed after each optimizer step)
     AdamW state        2 T b / W               (exp_avg, exp_avg_sq)
     reference weights  P b / W                 (0 under LoRA: the actor with adapters off;
                                             linears in 2 bytes under mixed precision)
+
+Under tensor parallelism (tp) and sequence parallelism (sp), with dp = W / (tp sp) replicas,
+the P_r parameters tp replicates (norms; k/v projections with fewer KV heads than tp) are
+sharded over dp x sp ranks only: weights, gradients and AdamW state count (P - P_r) / W +
+P_r / (dp sp) of each. A rank's activations are those of S / sp tokens (Ulysses), of which the
+tp-split intermediates (q, attention output, k, v, MLP) count 1/tp; the logits chunk is
+[C, V / tp]. With sp > 1 and padded or packed micro-batches the attention mask of the whole
+sequence, [M, S, S], exists on each rank (none for whole, unpadded sequences).
     rollout weights    P b' (a whole copy; 0 when the native decoder reads the actor's own
                        weights, one worker without LoRA; the adapted linears only under LoRA;
                        b' = 2 under mixed precision, a bfloat16 copy)
@@ -82,6 +91,16 @@ class ModelShape:
         biases = self.layers * (self.heads + 2 * self.kv_heads) * self.head_dim * self.qkv_bias
         return self.linear_params + embeddings + norms + biases
 
+    def replicated_params(self, tp: int) -> int:
+        """Parameters tensor parallelism over `tp` ranks keeps whole on every rank: the norms,
+        and k_proj / v_proj (with biases) when there are fewer KV heads than ranks."""
+        if tp == 1:
+            return 0
+        norms = self.hidden * (2 * self.layers + 1)
+        kv = self.kv_heads * self.head_dim
+        kv_proj = self.layers * 2 * (self.hidden * kv + kv * self.qkv_bias)
+        return norms + (kv_proj if self.kv_heads % tp else 0)
+
     def lora_params(self, rank: int) -> int:
         """A [r, in] and B [out, r] on every linear of every layer (all-linear)."""
         kv = self.kv_heads * self.head_dim
@@ -91,19 +110,23 @@ class ModelShape:
         return self.layers * sum(rank * (a + b) for a, b in shapes)
 
 
-def model_shape(cfg: Config) -> ModelShape:
-    """The configured model's shape, from its config only (no weights are read)."""
+def model_config(cfg: Config):
+    """The configured model's HF config (config.json or the GGUF header; no weights read)."""
     from transformers import AutoConfig
 
     m = cfg.model
     if m.path.startswith(BUILTIN_PREFIX) and m.path[len(BUILTIN_PREFIX):] in TINY_FAMILIES:
-        return ModelShape.of(tiny_model_config(m.path[len(BUILTIN_PREFIX):],
-                                               len(build_char_tokenizer()), m.tiny_hidden_size,
-                                               m.tiny_layers))
+        return tiny_model_config(m.path[len(BUILTIN_PREFIX):], len(build_char_tokenizer()),
+                                 m.tiny_hidden_size, m.tiny_layers)
     path = resolve_builtin_model(m.path, "", hidden_size=m.tiny_hidden_size,
                                  layers=m.tiny_layers, seed=cfg.trainer.seed)
     kwargs = {"gguf_file": m.gguf_file} if m.gguf_file else {}
-    return ModelShape.of(AutoConfig.from_pretrained(path, local_files_only=True, **kwargs))
+    return AutoConfig.from_pretrained(path, local_files_only=True, **kwargs)
+
+
+def model_shape(cfg: Config) -> ModelShape:
+    """The configured model's shape, from its config only (no weights are read)."""
+    return ModelShape.of(model_config(cfg))
 
 
 @dataclass(frozen=True)
@@ -118,23 +141,38 @@ def estimate_memory(cfg: Config, shape: ModelShape, *, has_ref: bool = True) -> 
     """Per-rank bytes of the run's states and largest transients (see the module docstring)."""
     b = DTYPES[cfg.model.dtype].itemsize
     w = cfg.trainer.n_workers
-    s = cfg.trainer.fsdp_shard_size or w     # ranks a model is sharded over (HSDP: its group)
+    a = cfg.actor
+    tp, sp = (a.tensor_parallel_size, a.sequence_parallel_size) if w > 1 else (1, 1)
+    # Ranks a model is sharded over: all W, or (HSDP, tp = sp = 1 only) its group of
+    # trainer.fsdp_shard_size, each group holding a whole copy.
+    s = cfg.trainer.fsdp_shard_size or w
     lora = cfg.actor.lora.rank
     p = shape.params
     trained = shape.lora_params(lora) if lora else p
-    lines = [MemoryLine("actor weights", p * b // s, f"{p / 1e6:.1f}M params"
-                        + (f" / {s} workers (FSDP2{' group' if s < w else ''})"
-                           if s > 1 else ""))]
-    lines.append(MemoryLine("gradients", trained * b // s,
+    rep = shape.replicated_params(tp)
+
+    def per_rank(count: int, nbytes: int = b) -> int:
+        """Bytes per rank of `count` parameters: FSDP2 over the s ranks of a shard group (all
+        W without HSDP), the ones tp replicates (when `count` is the whole model) over dp x sp
+        only."""
+        held = count + rep * (tp - 1) if count == p else count
+        return held * nbytes // s
+
+    mesh = (f" / {s} workers (FSDP2{' group' if s < w else ''})" if s > 1 and tp * sp == 1
+            else f" over {w // (tp * sp)} dp x {sp} sp x {tp} tp" if w > 1 and tp * sp > 1
+            else "")
+    lines = [MemoryLine("actor weights", per_rank(p), f"{p / 1e6:.1f}M params" + mesh)]
+    lines.append(MemoryLine("gradients", per_rank(trained),
                             f"{trained / 1e6:.2f}M trained" + (" (LoRA)" if lora else ""),
                             "update"))
-    lines.append(MemoryLine("AdamW state", 2 * trained * b // s, "exp_avg + exp_avg_sq"))
+    lines.append(MemoryLine("AdamW state", per_rank(trained, 2 * b),
+                            "exp_avg + exp_avg_sq"))
     mixed = cfg.model.mixed_precision != "none"
     ref_note = "adapters off: no copy" if lora else ("" if has_ref else "no ref")
-    ref = p * b // s if has_ref and not lora else 0
+    ref = per_rank(p) if has_ref and not lora else 0
     if ref and mixed:   # the linears in bfloat16 (engines/precision.py), the rest in b bytes
         linears = shape.linear_params + (0 if shape.tied else shape.vocab * shape.hidden)
-        ref = ((p - linears) * b + linears * 2) // s
+        ref = ((p - linears) * b + linears * 2 + rep * (tp - 1) * b) // s
         ref_note = "linears in bfloat16"
     lines.append(MemoryLine("reference weights", ref, ref_note))
     backend = cfg.rollout.backend
@@ -161,7 +199,6 @@ def estimate_memory(cfg: Config, shape: ModelShape, *, has_ref: bool = True) -> 
     kv = kv_per_token * rows * seq if backend not in ("vllm", "server") else 0
     lines.append(MemoryLine("KV cache", kv, f"{rows} rows x {seq} tokens", "rollout"))
 
-    a = cfg.actor
     micro = a.micro_batch_size
     if a.max_tokens_per_micro_batch:
         tokens = a.max_tokens_per_micro_batch
@@ -173,21 +210,32 @@ def estimate_memory(cfg: Config, shape: ModelShape, *, has_ref: bool = True) -> 
     # Under autocast the matmuls' outputs (most saved intermediates) are bfloat16; the
     # residual stream, hence each checkpointed layer input, stays float32.
     ab = 2 if mixed else b
-    per_layer_token = (6 * h + 2 * kvd + 4 * shape.intermediate) * ab
+    # Per token and layer: 4 hidden-size tensors stay whole under tp (layer input, the two
+    # norms' outputs, o_proj's output); q, the attention output, k, v and the MLP's 4 split.
+    kv_split = kvd / tp if shape.kv_heads % tp == 0 else shape.head_dim
+    per_layer_token = (4 * h + (2 * h + 4 * shape.intermediate) / tp + 2 * kv_split) * ab
+    local = tokens / sp                                   # Ulysses: this rank's tokens
     if a.activation_checkpointing:
-        act = tokens * h * b * shape.layers + tokens * per_layer_token
+        act = local * h * b * shape.layers + local * per_layer_token
         act_note = micro_note + ", checkpointed"
     else:
-        act = tokens * per_layer_token * shape.layers
+        act = local * per_layer_token * shape.layers
         act_note = micro_note
-    lines.append(MemoryLine("activations", act, act_note, "update"))
+    if sp > 1:
+        act_note += f", 1/{sp} of each sequence per rank"
+    lines.append(MemoryLine("activations", int(act), act_note, "update"))
+    if sp > 1:
+        lines.append(MemoryLine("attention mask (sp)", micro * seq * seq * ab,
+                                f"{micro} x {seq} x {seq}; none for unpadded sequences",
+                                "update"))
     if mixed:   # autocast keeps its bfloat16 casts of the trained weights for the forward
         cast = trained * 2   # (frozen ones are cast at each use and freed: not kept)
         lines.append(MemoryLine("autocast weight casts", cast, "bfloat16 copies of the linears'"
                                 " weights during a forward", "update"))
-    head_rows = a.logits_chunk_tokens or micro * r.max_new_tokens
-    lines.append(MemoryLine("logits", 3 * head_rows * shape.vocab * 4,
-                            f"{head_rows} x {shape.vocab} fp32, x3 in backward", "update"))
+    head_rows = a.logits_chunk_tokens or micro * r.max_new_tokens // sp
+    vocab = shape.vocab // tp
+    lines.append(MemoryLine("logits", 3 * head_rows * vocab * 4,
+                            f"{head_rows} x {vocab} fp32, x3 in backward", "update"))
     return lines
 
 

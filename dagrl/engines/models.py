@@ -150,17 +150,18 @@ def resolve_builtin_model(path: str, out_root: str | Path, *, hidden_size: int, 
     return str(out)
 
 
-def check_model_dir(path: str, gguf_file: str) -> None:
-    """A local model directory: it exists and holds config.json (or the named GGUF file)."""
+def check_model_dir(path: str, gguf_file: str, section: str = "model") -> None:
+    """A local model directory: it exists and holds config.json (or the named GGUF file).
+    `section`: the config section whose `path` names it, for the message."""
     p = Path(path)
     if not p.is_dir():
-        raise FileNotFoundError(f"model.path: {path!r} is not a directory (models are loaded "
-                                "from a local directory; nothing is downloaded)")
+        raise FileNotFoundError(f"{section}.path: {path!r} is not a directory (models are "
+                                "loaded from a local directory; nothing is downloaded)")
     if gguf_file and not (p / gguf_file).is_file():
-        raise FileNotFoundError(f"model.gguf_file: {gguf_file!r} not found in {path!r}")
+        raise FileNotFoundError(f"{section}.gguf_file: {gguf_file!r} not found in {path!r}")
     if not gguf_file and not (p / "config.json").is_file():
-        raise FileNotFoundError(f"model.path: {path!r} has no config.json (for a GGUF "
-                                "checkpoint set model.gguf_file)")
+        raise FileNotFoundError(f"{section}.path: {path!r} has no config.json (for a GGUF "
+                                f"checkpoint set {section}.gguf_file)")
 
 
 class TokenizerError(ValueError):

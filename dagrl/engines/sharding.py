@@ -10,7 +10,7 @@ ranks, which the actor's loss scaling accounts for.
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 
@@ -59,6 +59,14 @@ def shard_model(model: torch.nn.Module, world_size: int, device_type: str,
                                 mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
+    return fully_shard_layers(model, mesh)
+
+
+def fully_shard_layers(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """FSDP2 over `mesh`: each decoder layer a unit, then the root (in place). A 1-D mesh
+    shards over all its ranks; HSDP's 2-D (replicate, shard) mesh shards over the second
+    dimension and replicates over the first. On parameters already split by tensor
+    parallelism (1-D mesh only) it shards their local slices (a 2-D layout)."""
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

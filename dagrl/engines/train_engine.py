@@ -7,6 +7,13 @@ mode the loss uses, since a policy loss may pin its own mode), so the accumulate
 gradient is the exact gradient of the whole mini-batch's loss, however the batch is split over
 micro-batches and workers. FSDP averages gradients over the ranks, so each rank's loss is
 multiplied by the number of ranks before backward.
+
+Under tensor / sequence parallelism (engines/mesh.py) the ranks of one replica hold the same
+samples and compute the same loss: the denominators are summed over the replicas alone
+(`dp_group`, one rank per replica), and the loss is multiplied by the ranks FSDP averages over
+(`grad_scale` = dp x sp): tensor-parallel ranks hold different slices of a parameter (or
+identical gradients of a replicated one), and each sequence-parallel rank's gradient covers
+its own tokens (engines/ulysses.py), so the sum over the FSDP group is the replica's gradient.
 """
 
 from __future__ import annotations
@@ -48,13 +55,14 @@ class TrainEngine(ABC):
                  mini_batch_samples: int, micro_batch_size: int, epochs: int,
                  max_tokens_per_micro_batch: int = 0, pack_sequences: bool = False,
                  mixed_precision: str = "none",
-                 dp_group: dist.ProcessGroup | None = None) -> None:
+                 dp_group: dist.ProcessGroup | None = None, grad_scale: int = 0) -> None:
         """`mini_batch_samples`: samples per optimizer step on this rank
         (`Config.mini_batch_samples_per_rank`); `micro_batch_size`: samples per forward and
         backward, or `max_tokens_per_micro_batch` > 0: micro-batches cut by a token budget
         (engines/micro_batches.py); `pack_sequences`: forwards without padding
         (engines/forward.py); `epochs`: passes over each batch; `mixed_precision`: the
-        forwards' autocast (engines/precision.py)."""
+        forwards' autocast (engines/precision.py); `dp_group`: one rank per data-parallel
+        replica; `grad_scale`: the ranks FSDP averages gradients over (0: dp_group's size)."""
         self.model = model
         self.grad_clip = optim.grad_clip
         self.loss_agg_mode = loss_agg_mode
@@ -65,6 +73,7 @@ class TrainEngine(ABC):
         self.mixed_precision = mixed_precision
         self.dp_group = dp_group
         self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
+        self.grad_scale = grad_scale or self.dp_size
         # The fused kernel updates all parameters in one pass: 0.6 ms instead of 3.3 ms per
         # step for the e2e model on CPU.
         fused = fused_optimizer_supported(next(model.parameters()).device)
@@ -108,7 +117,7 @@ class TrainEngine(ABC):
                 reported = 0.0
                 for _, micro in micro_batches(mini, self.micro_batch_size, self.max_tokens):
                     loss, shown = self.micro_loss(micro, denoms, metrics)
-                    (loss * self.dp_size).backward()
+                    (loss * self.grad_scale).backward()
                     reported += float(shown.detach())
                 self._optimizer_step(reported, metrics)
                 # Gradients freed now, not before the next backward: between updates (rollout,

@@ -1,14 +1,25 @@
-"""Full weights of an FSDP2-sharded model, gathered in buckets.
+"""Full weights of a sharded model (FSDP2, or FSDP2 x tensor parallel), gathered in buckets.
 
-`param.full_tensor()` costs one all-gather per parameter: a few hundred small collectives for a
-real model, each paying the collective's latency. Here the local shards of many parameters
-are packed into one flat buffer per bucket and gathered with a single `all_gather_into_tensor`;
-then each full parameter is cut out of the gathered buffer. At most one bucket's gathered
-buffer (world_size x the bucket's largest shard) is alive at a time, and each full tensor only
-until its consumer (the rollout engine's in-place copy) has taken it.
+`param.full_tensor()` costs one collective per parameter (two on a 2-D mesh): a few hundred
+small collectives for a real model, each paying the collective's latency. Here the local shards
+of many parameters are packed into one flat buffer per bucket and gathered with a single
+`all_gather_into_tensor` per mesh dimension (the CANN team's finding for verl: gather inside
+each dimension's group per bucket, never per parameter):
 
-FSDP2 shards every parameter on dim 0 the way `torch.chunk` does: rank r holds rows
-[r*c, (r+1)*c) with c = ceil(rows / world), so the last ranks may hold fewer rows or none.
+    1. over the FSDP (dp) group: every rank's rows of its tensor-parallel slice -> the slice
+    2. over the tp group (tensor-parallel parameters only): the slices -> the whole parameter
+
+then each full parameter is cut out of the gathered buffer. Parameters a layout replicates over
+tp (norms, KV heads fewer than ranks) are gathered over dp alone, in their own buckets. Under
+HSDP (trainer.fsdp_shard_size, tp = sp = 1) the FSDP group of step 1 is the rank's shard group:
+each group holds a whole copy, so nothing is gathered across the groups. At most
+one bucket's gathered buffers are alive at a time, and each full tensor only until its consumer
+(the rollout engine's in-place copy) has taken it. A rank receives each byte of the model it
+lacks once, plus the padding of uneven shards (at most one bucket's worth).
+
+FSDP2 shards every parameter (or its tensor-parallel slice) on dim 0 the way `torch.chunk`
+does: rank r holds rows [r*c, (r+1)*c) with c = ceil(rows / world), so the last ranks may hold
+fewer rows or none; tensor parallelism splits its dim (0 or 1) the same way.
 """
 
 from __future__ import annotations
@@ -29,6 +40,33 @@ def shard_rows(rows: int, world: int) -> list[int]:
     return [max(0, min(per, rows - r * per)) for r in range(world)]
 
 
+def _layout(p: torch.Tensor) -> tuple | None:
+    """How a parameter is split: None for a plain (whole) tensor; ("dp",) for FSDP2 alone;
+    ("hsdp",) for HSDP (replicated over the first dim of a (replicate, shard) mesh, FSDP2 rows
+    over the second); ("dp", "tp", dim) for FSDP2 over a tp slice on `dim`; ("dp", "rep") for
+    FSDP2 over a parameter tp replicates; ("other",) for anything else (gathered alone)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not hasattr(p, "placements"):
+        return None
+    placements = tuple(p.placements)
+    if p.dim() > 0 and placements == (Replicate(), Shard(0)):
+        return ("hsdp",)
+    dp_rows = placements and (placements[0] == Shard(0) or (
+        isinstance(placements[0], _StridedShard) and placements[0].dim == 0))
+    if p.dim() == 0 or not dp_rows:
+        return ("other",)
+    if len(placements) == 1:
+        return ("dp",)
+    if len(placements) == 2 and placements[1] == Replicate():
+        return ("dp", "rep")
+    if len(placements) == 2 and isinstance(placements[1], Shard) and not isinstance(
+            placements[1], _StridedShard):
+        return ("dp", "tp", placements[1].dim)
+    return ("other",)
+
+
 def _buckets(params: list[tuple[str, torch.Tensor]], limit: int):
     bucket, size = [], 0
     for name, p in params:
@@ -45,60 +83,90 @@ def _buckets(params: list[tuple[str, torch.Tensor]], limit: int):
 @torch.no_grad()
 def gather_full_weights(model: torch.nn.Module,
                         bucket_bytes: int = BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) for every parameter of `model`, in `named_parameters` order. A
-    collective over the model's data-parallel group: every rank must consume the iterator."""
+    """(name, full tensor) for every parameter of `model`: whole ones first, then bucket by
+    bucket (tensor-parallel and replicated parameters in separate buckets, each in
+    `named_parameters` order). A collective over the model's mesh: every rank must consume
+    the iterator. Under HSDP each shard group holds a whole copy: the gathers stay inside the
+    rank's group, never across the replicas."""
     params = list(model.named_parameters())
-    sharded = [(n, p) for n, p in params if _row_sharded(p)]
-    buckets = _buckets(sharded, bucket_bytes)
-    pending: dict[str, torch.Tensor] = {}
+    # Bucket kinds: "dp" (FSDP2 rows over mesh dim 0), "hsdp" (rows over mesh dim 1, the
+    # shard group), "tp" (rows over dim 0 of a tp slice, then the slices over dim 1).
+    kinds: dict[str, list[tuple[str, torch.Tensor]]] = {"dp": [], "hsdp": [], "tp": []}
     for name, p in params:
-        if not hasattr(p, "to_local"):          # a plain tensor: already whole
+        layout = _layout(p)
+        if layout is None:
             yield name, p.detach()
-        elif not _row_sharded(p):               # another DTensor layout: gather it alone
+        elif layout == ("other",):
             yield name, p.full_tensor()
         else:
-            if name not in pending:             # the next bucket starts with this parameter
-                pending = dict(_gather_bucket(next(buckets)))
-            yield name, pending.pop(name)
+            kinds["tp" if "tp" in layout else layout[0]].append((name, p))
+    for kind, members in kinds.items():
+        for bucket in _buckets(members, bucket_bytes):
+            yield from _gather_bucket(bucket, kind == "tp")
 
 
-def _row_sharded(p: torch.Tensor) -> bool:
-    """FSDP2's layout: a DTensor sharded on dim 0 over a 1-D mesh, or (HSDP) replicated over
-    the first dimension of a 2-D mesh and sharded on dim 0 over the second."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    return (hasattr(p, "placements") and p.dim() > 0
-            and tuple(p.placements) in ((Shard(0),), (Replicate(), Shard(0))))
-
-
-def _gather_bucket(bucket: list[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    # The ranks a parameter is sharded over (HSDP: its shard group; each group holds a whole
-    # copy, so the gather never leaves it).
-    mesh = bucket[0][1].device_mesh
-    group = mesh.get_group(mesh.ndim - 1)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    local = [p.to_local() for _, p in bucket]
-    # Per parameter: rows held by each rank and the elements in one row.
-    rows = [shard_rows(p.shape[0], world) for _, p in bucket]
-    row_numel = [math.prod(p.shape[1:]) for _, p in bucket]
-    per_rank = [sum(r[k] * n for r, n in zip(rows, row_numel, strict=True)) for k in range(world)]
+def _gather_flat(pieces: list[torch.Tensor], counts: list[list[int]],
+                 group: dist.ProcessGroup) -> list[list[torch.Tensor]]:
+    """One all-gather of this rank's `pieces` (flattened end to end, padded to the largest
+    rank's total): counts[i][k] = elements of piece i on group rank k. Returns, per piece,
+    the flat pieces of every group rank, in rank order."""
+    world = dist.get_world_size(group)
+    per_rank = [sum(c[k] for c in counts) for k in range(world)]
     width = max(per_rank)
-    send = local[0].new_zeros(width)
-    offset = 0
-    for (name, _), shard, r, n in zip(bucket, local, rows, row_numel, strict=True):
-        if shard.numel() != r[rank] * n:   # a layout other than torch.chunk rows: do not guess
-            raise RuntimeError(f"weight sync: rank {rank} holds {shard.numel()} elements of "
-                               f"{name!r}, expected {r[rank] * n} (dim-0 chunks of {r})")
-        send[offset:offset + shard.numel()] = shard.reshape(-1)
-        offset += shard.numel()
+    send = pieces[0].new_zeros(width)
+    torch.cat([t.reshape(-1) for t in pieces], out=send[:sum(t.numel() for t in pieces)])
     gathered = send.new_empty(world * width)                      # [world x width]
     dist.all_gather_into_tensor(gathered, send, group=group)
     segments = gathered.view(world, width)
-    offsets = [0] * world
-    for (name, p), r, n in zip(bucket, rows, row_numel, strict=True):
-        pieces = []
+    out, offsets = [], [0] * world
+    for c in counts:
+        parts = []
         for k in range(world):
-            count = r[k] * n
-            pieces.append(segments[k, offsets[k]:offsets[k] + count])
-            offsets[k] += count
-        yield name, torch.cat(pieces).view(p.shape)
+            parts.append(segments[k, offsets[k]:offsets[k] + c[k]])
+            offsets[k] += c[k]
+        out.append(parts)
+    return out
+
+
+def _gather_bucket(bucket: list[tuple[str, torch.Tensor]],
+                   tensor_parallel: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    mesh = bucket[0][1].device_mesh
+    # The ranks FSDP2 shards the rows over: mesh dim 0, or under HSDP the shard group (dim 1;
+    # each group holds a whole copy, so the gather never leaves it).
+    dp_group = mesh.get_group(1 if _layout(bucket[0][1]) == ("hsdp",) else 0)
+    dp, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
+    tp, tp_rank = (mesh.size(1), mesh.get_local_rank(1)) if tensor_parallel else (1, 0)
+    # The tp slice each parameter's FSDP shards cut up: its shape on every tp rank.
+    slices = []
+    for _, p in bucket:
+        if tensor_parallel:
+            dim = p.placements[1].dim
+            sizes = shard_rows(p.shape[dim], tp)
+            slices.append([p.shape[:dim] + (s,) + p.shape[dim + 1:] for s in sizes])
+        else:
+            slices.append([tuple(p.shape)])
+    local = [p.to_local() for _, p in bucket]
+    # 1. over dp: rows of my tp slice -> the slice.
+    rows = [shard_rows(s[tp_rank][0], dp) for s in slices]
+    row_numel = [math.prod(s[tp_rank][1:]) for s in slices]
+    for (name, _), shard, r, n in zip(bucket, local, rows, row_numel, strict=True):
+        if shard.numel() != r[dp_rank] * n:   # a layout other than torch.chunk rows: do not guess
+            raise RuntimeError(f"weight sync: rank {dp_rank} holds {shard.numel()} elements of "
+                               f"{name!r}, expected {r[dp_rank] * n} (dim-0 chunks of {r})")
+    if dp > 1:
+        parts = _gather_flat(local, [[x * n for x in r] for r, n in zip(rows, row_numel,
+                                                                      strict=True)], dp_group)
+        mine = [torch.cat(pieces).view(s[tp_rank]) for pieces, s in zip(parts, slices,
+                                                                        strict=True)]
+    else:
+        mine = [t.view(s[tp_rank]) for t, s in zip(local, slices, strict=True)]
+    if not tensor_parallel:
+        for (name, _), full in zip(bucket, mine, strict=True):
+            yield name, full
+        return
+    # 2. over tp: the slices -> the whole parameter, concatenated on its tp dim.
+    counts = [[math.prod(shape) for shape in s] for s in slices]
+    parts = _gather_flat(mine, counts, mesh.get_group(1))
+    for (name, p), pieces, s in zip(bucket, parts, slices, strict=True):
+        dim = p.placements[1].dim
+        yield name, torch.cat([x.view(shape) for x, shape in zip(pieces, s, strict=True)], dim)

@@ -40,6 +40,16 @@ class StepMetrics:
     def add_min(self, name: str, value: float) -> None:
         self._min[name] = min(self._min.get(name, math.inf), float(value))
 
+    def merge(self, other: StepMetrics) -> None:
+        """Add `other`'s statistics to these (a node's metrics recorded apart, e.g. on the
+        ranks of a tensor-parallel replica, which count once)."""
+        for key, value in other._sum.items():
+            self._sum[key] += value
+        for name, value in other._max.items():
+            self.add_max(name, value)
+        for name, value in other._min.items():
+            self.add_min(name, value)
+
     def add_distribution(self, name: str, values: torch.Tensor) -> None:
         """name/mean, name/std (population), name/max, name/min of all values on all ranks."""
         values = values.detach().double().flatten()

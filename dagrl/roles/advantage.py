@@ -24,7 +24,7 @@ def group_index(uids: np.ndarray) -> torch.Tensor:
     return torch.as_tensor(inverse, dtype=torch.long)
 
 
-@register_role("kl_penalty")
+@register_role("kl_penalty", adds={"token_level_rewards": "R float32"})
 def kl_penalty(ctx: NodeContext, batch: Batch) -> Batch:
     """r_t = s_t − β·KL_t, KL_t estimated (algorithm.kl_reward_type) from old_logprobs and
     ref_logprobs. β comes from the KL controller, which then steps on the batch mean of the
@@ -43,7 +43,8 @@ def kl_penalty(ctx: NodeContext, batch: Batch) -> Batch:
     return batch
 
 
-@register_role("advantage")
+@register_role("advantage", adds={"token_level_rewards": "R float32",
+                                  "advantages": "R float32", "returns": "R float32"})
 def advantage(ctx: NodeContext, batch: Batch) -> Batch:
     algo = ctx.config.algorithm
     if "token_level_rewards" not in batch:

@@ -17,7 +17,8 @@ from dagrl.roles.registry import NodeContext, register_role
 from dagrl.rollout.sampling import logprob_temperature
 
 
-@register_role("old_logprob", engines=("actor",))
+@register_role("old_logprob", engines=("actor",), runs_model=True,
+               adds={"old_logprobs": "R float32"})
 def old_logprob(ctx: NodeContext, batch: Batch) -> Batch:
     """old_logprobs [N, R]; also sum_pi_squared [N, R] for the estimators that read it, and
     with algorithm.rollout_correction (not in bypass mode) the rollout IS weights
@@ -57,7 +58,8 @@ def _rollout_correction(ctx: NodeContext, batch: Batch) -> None:
     batch["response_mask"] = kept
 
 
-@register_role("ref_logprob", engines=("ref",))
+@register_role("ref_logprob", engines=("ref",), runs_model=True,
+               adds={"ref_logprobs": "R float32"})
 def ref_logprob(ctx: NodeContext, batch: Batch) -> Batch:
     # The update's autocast, so that pi_ref = pi to the bit while the weights are equal.
     with autocast(ctx.config.model.mixed_precision, batch["responses"].device):
@@ -70,7 +72,7 @@ def ref_logprob(ctx: NodeContext, batch: Batch) -> Batch:
     return batch
 
 
-@register_role("values", engines=("critic",))
+@register_role("values", engines=("critic",), runs_model=True, adds={"values": "R float32"})
 def values(ctx: NodeContext, batch: Batch) -> Batch:
     batch["values"] = ctx.engines.critic.compute_values(batch)
     return batch

@@ -7,6 +7,8 @@ prompt's group stays on one rank) and response width R:
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from dagrl.data.batch import Batch
@@ -15,14 +17,34 @@ from dagrl.roles.score import decode_responses
 from dagrl.rollout.sampling import SamplingParams, mix_seed
 
 
-@register_role("rollout", engines=("rollout", "actor"))
+def index_within_group(uids) -> torch.Tensor:
+    """For consecutive rows grouped by uid: each row's position in its group, [N]."""
+    out, previous, k = [], None, 0
+    for uid in uids:
+        k = k + 1 if uid == previous else 0
+        out.append(k)
+        previous = uid
+    return torch.tensor(out, dtype=torch.long)
+
+
+@register_role("rollout", engines=("rollout", "actor"),
+               adds={"responses": "R int64", "response_mask": "R float32",
+                     "rollout_logprobs": "R float32", "sample_seed": "int64"})
 def rollout(ctx: NodeContext, batch: Batch) -> Batch:
     cfg = ctx.config.rollout
-    n_prompts = len(batch)
-    batch = batch.repeat_interleave(cfg.n)
-    sample_index = torch.arange(cfg.n).repeat(n_prompts)
+    if ctx.node.model:
+        # Another policy (roles/multi_model.py) answers each of the main policy's samples once;
+        # the samples of a group are consecutive rows, so a row's index within its group is
+        # the same on any number of workers. The model's name salts its randomness.
+        sample_index = index_within_group(batch["uid"])
+        salt = zlib.crc32(ctx.node.model.encode())
+    else:
+        n_prompts = len(batch)
+        batch = batch.repeat_interleave(cfg.n)
+        sample_index = torch.arange(cfg.n).repeat(n_prompts)
+        salt = 0
     # Randomness keyed by (seed, step, dataset row, sample index): see rollout/sampling.py.
-    batch["sample_seed"] = mix_seed(ctx.config.trainer.seed, ctx.step, batch["row_index"],
+    batch["sample_seed"] = mix_seed(ctx.config.trainer.seed ^ salt, ctx.step, batch["row_index"],
                                     sample_index)
     engine = ctx.engines.rollout
     out = engine.generate(batch["prompt_ids"], batch["prompt_mask"], batch["sample_seed"],
@@ -41,7 +63,8 @@ def rollout(ctx: NodeContext, batch: Batch) -> Batch:
     return batch
 
 
-@register_role("greedy_baseline", engines=("rollout", "reward"))
+@register_role("greedy_baseline", engines=("rollout", "reward"),
+               adds={"baseline_scores": "float32"})
 def greedy_baseline(ctx: NodeContext, batch: Batch) -> Batch:
     """ReMax: the reward of the greedy response to each prompt, the baseline of its samples.
     Adds baseline_scores [prompts]; the rollout node repeats it with the prompt."""

@@ -12,12 +12,14 @@ import dagrl.roles.advantage
 import dagrl.roles.filter
 import dagrl.roles.forward
 import dagrl.roles.generate
+import dagrl.roles.model_reward
+import dagrl.roles.multi_model
 import dagrl.roles.score
 import dagrl.roles.update  # noqa: F401
 from dagrl.config.schema import Config
 from dagrl.dag.builtin import BUILTIN_GRAPHS
-from dagrl.dag.planner import RankPlan, make_plan
-from dagrl.dag.spec import GraphSpec, load_graph_yaml, validate_graph
+from dagrl.dag.planner import PlanSizes, RankPlan, make_plan
+from dagrl.dag.spec import GraphError, GraphSpec, load_graph_yaml, validate_graph
 from dagrl.registry import Registry
 from dagrl.roles.registry import ROLES, Role, import_user_modules
 
@@ -37,14 +39,70 @@ def build_graph(cfg: Config) -> GraphSpec:
 
 
 def plan_for(cfg: Config, world_size: int) -> tuple[GraphSpec, list[str], list[RankPlan]]:
-    """Import user roles, build and validate the graph, and plan it for `world_size` ranks."""
+    """Import user roles, build and validate the graph, and plan it for `world_size` ranks
+    (under tensor / sequence parallelism, the model nodes in replicas of tp x sp ranks)."""
     import_user_modules(cfg.dag.modules)
     graph = build_graph(cfg)
     order = validate_graph(graph, ROLES)
+    check_node_models(graph, cfg, world_size)
     trains = frozenset(name for name in ROLES if ROLES.get(name).trains)
-    return graph, order, make_plan(graph, order, world_size, trains)
+    models = frozenset(name for name in ROLES if ROLES.get(name).runs_model)
+    group = cfg.actor.model_parallel_size if world_size > 1 else 1
+    return graph, order, make_plan(graph, order, world_size, trains, group=group,
+                                   model_roles=models, sizes=plan_sizes(cfg, graph, order))
 
 
-def engines_of(plan: RankPlan) -> set[str]:
-    """The engines (dagrl.roles.registry.ENGINES names) the nodes of one rank's plan use."""
-    return {e for t in plan.tasks if t.kind == "node" for e in ROLES.get(t.role).engines}
+# The per-sample tensor fields of a step's prompts (data/dataset.py), as roles declare theirs.
+PROMPT_FIELDS = {"prompt_ids": "P int64", "prompt_mask": "P int64", "row_index": "int64",
+                 "batch_position": "int64"}
+_ITEMSIZE = {"int64": 8, "float32": 4, "float64": 8, "int32": 4, "bool": 1}
+
+
+def field_bytes(spec: str, cfg: Config) -> int:
+    """Bytes of one sample's field declared as "[P|R] dtype" (Role.adds)."""
+    *width, dtype = spec.split()
+    count = {"P": cfg.data.max_prompt_length, "R": cfg.rollout.max_new_tokens}[width[0]] \
+        if width else 1
+    return count * _ITEMSIZE[dtype]
+
+
+def plan_sizes(cfg: Config, graph: GraphSpec, order: list[str]) -> PlanSizes:
+    """Global samples and declared tensor bytes per sample as the batch reaches each node:
+    the prompts' fields plus those of every earlier node (the batch flows through the plan in
+    order). Bytes of pickled per-sample metadata (uid, ground truth, ...) are not counted."""
+    fields = dict(PROMPT_FIELDS)
+    samples, sizes = cfg.data.train_batch_size, {}
+    counts = {}
+    for node_id in order:
+        counts[node_id] = samples
+        sizes[node_id] = sum(field_bytes(spec, cfg) for spec in fields.values())
+        role = graph.node(node_id).role
+        fields.update(ROLES.get(role).adds)
+        if role == "rollout":      # rollout.n samples per prompt from here on
+            samples *= cfg.rollout.n
+    return PlanSizes(counts, sizes)
+
+
+def check_node_models(graph: GraphSpec, cfg: Config, world_size: int) -> None:
+    """Every node's `model` is one of the config's `models`, and an extra model's nodes run on
+    every rank (its weights are sharded over all of them, like the main policy's)."""
+    for node in graph.nodes:
+        if not node.model:
+            continue
+        if node.model not in cfg.models:
+            raise GraphError(f"graph {graph.name!r}: node {node.id!r} uses model {node.model!r}, "
+                             f"which the config's `models` does not define (models: "
+                             f"{sorted(cfg.models) or 'none'})")
+        ranks = node.options.get("ranks")
+        if ranks is not None and sorted(ranks) != list(range(world_size)):
+            raise GraphError(f"graph {graph.name!r}: node {node.id!r} of model {node.model!r} "
+                             f"has options.ranks {ranks}; extra models run on every rank (their "
+                             "weights are sharded over all workers) — placing them on a subset "
+                             "is not supported yet")
+
+
+def engines_of(plan: RankPlan, model: str = "") -> set[str]:
+    """The engines (dagrl.roles.registry.ENGINES names) of policy `model` ('' = the main one)
+    that the nodes of one rank's plan use."""
+    return {e for t in plan.tasks if t.kind == "node" and t.model == model
+            for e in ROLES.get(t.role).engines}

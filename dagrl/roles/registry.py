@@ -18,8 +18,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,7 +35,7 @@ if TYPE_CHECKING:   # `from dagrl import register_role` stays light: no torch, n
     from dagrl.observe.metrics import StepMetrics
 
 # Engines a role may ask for; the worker builds the union over the nodes it runs.
-ENGINES = ("actor", "critic", "ref", "rollout", "reward")
+ENGINES = ("actor", "critic", "ref", "rollout", "reward", "reward_model", "judge")
 
 
 @dataclass(frozen=True)
@@ -45,19 +45,31 @@ class Role:
     engines: tuple[str, ...] = ()
     # A training node: with several workers the planner rebalances tokens across ranks first.
     trains: bool = False
+    # Runs the actor / reference / critic model: under tensor or sequence parallelism the
+    # planner moves the batch into the replicated training layout first (dag/planner.py).
+    runs_model: bool = False
+    # Per-sample tensor fields the role adds, name -> "[P|R] dtype" (P: prompt width, R:
+    # response width, nothing: one value): what `dagrl plan` counts in the bytes of a move.
+    adds: Mapping[str, str] = field(default_factory=dict)
 
 
 ROLES: Registry[Role] = Registry("DAG role")
 
 
-def register_role(name: str, *, engines: Sequence[str] = (), trains: bool = False) -> Callable:
-    """Decorator registering `fn(ctx, batch) -> batch` as the role `name`."""
+def register_role(name: str, *, engines: Sequence[str] = (), trains: bool = False,
+                  runs_model: bool | None = None,
+                  adds: Mapping[str, str] | None = None) -> Callable:
+    """Decorator registering `fn(ctx, batch) -> batch` as the role `name`. `runs_model`
+    (default: `trains`): the node runs the actor / reference / critic model, so under
+    tensor or sequence parallelism every rank of a replica must hold its samples. `adds`: the
+    per-sample tensor fields it adds (see `Role.adds`)."""
     bad = [e for e in engines if e not in ENGINES]
     if bad:
         raise ValueError(f"role {name!r} asks for unknown engine(s) {bad}; known: {ENGINES}")
 
     def decorator(fn: Callable) -> Callable:
-        ROLES.add(name, Role(name, fn, tuple(engines), trains))
+        ROLES.add(name, Role(name, fn, tuple(engines), trains,
+                             trains if runs_model is None else runs_model, dict(adds or {})))
         return fn
 
     return decorator
@@ -79,6 +91,9 @@ class NodeContext:
     reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
     # Runs the nodes before this one again on fresh prompts (DAPO's dynamic sampling).
     more: Callable[[], Batch] | None = None
+    # The engines of the config's extra `models`, by name (roles/multi_model.py): what a
+    # node of the main policy needs to hand data to another model.
+    model_engines: Mapping[str, Engines] = field(default_factory=dict)
 
 
 def import_user_modules(modules: Sequence[str]) -> None:

@@ -1,6 +1,7 @@
 """The `reward` role: score each response with the reward manager (rule scorers, user
 functions), add DAPO's overlong shaping when configured, and place the outcome reward on the
-last response token.
+last response token. (Model-based rewards: roles/model_reward.py, ending in the same
+`place_outcome_scores`.)
 
 Fields added for N samples, response width R: scores [N], token_level_scores [N, R], and
 `score_component_<key>` [N] for each key of algorithm.gdpo_reward_keys.
@@ -23,28 +24,14 @@ def decode_responses(tokenizer, responses: torch.Tensor, mask: torch.Tensor) -> 
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
-@register_role("reward", engines=("reward",))
+@register_role("reward", engines=("reward",),
+               adds={"scores": "float32", "token_level_scores": "R float32"})
 def reward(ctx: NodeContext, batch: Batch) -> Batch:
     texts = decode_responses(ctx.engines.tokenizer, batch["responses"], batch["response_mask"])
     sample_ids = [f"{uid}/{i}" for i, uid in enumerate(batch["uid"])]
     result = ctx.engines.reward_manager.score(texts, batch["data_source"], batch["ground_truth"],
                                              batch["extra_info"], sample_ids=sample_ids)
-    scores = torch.tensor(result.scores, dtype=torch.float32)
-    mask = batch["response_mask"]
-    r = ctx.config.reward
-    if r.overlong_buffer_len:
-        penalty = overlong_penalty(mask.sum(-1), max_len=ctx.config.rollout.max_new_tokens,
-                                   buffer_len=r.overlong_buffer_len,
-                                   penalty_factor=r.overlong_penalty_factor)
-        ctx.metrics.add_mean("reward/overlong_penalty", float(penalty.sum()), len(batch))
-        scores = scores + penalty
-    # The outcome reward sits on the last response token (token-level credit for PPO/GAE).
-    last = (mask.sum(-1).long() - 1).clamp(min=0)
-    token_scores = torch.zeros_like(mask)
-    token_scores[torch.arange(len(batch)), last] = scores
-    batch["scores"] = scores
-    batch["token_level_scores"] = token_scores * (mask.sum(-1, keepdim=True) > 0)
-    ctx.metrics.add_distribution("reward", scores)
+    place_outcome_scores(ctx, batch, torch.tensor(result.scores, dtype=torch.float32))
     ctx.metrics.add_sum("reward/errors", result.n_errors)
     if result.first_error:
         ctx.engines.log(f"reward: {result.n_errors} scorer failure(s) counted; first: "
@@ -60,6 +47,27 @@ def reward(ctx: NodeContext, batch: Batch) -> Batch:
                            f"return it for every sample (its keys: {sorted(result.extra)})")
         batch[score_component_field(key)] = torch.tensor(values, dtype=torch.float32)
     return batch
+
+
+def place_outcome_scores(ctx: NodeContext, batch: Batch, scores: torch.Tensor) -> None:
+    """Write a sample's outcome reward (scores [N]; + DAPO's overlong shaping when configured)
+    into `scores` [N] and onto its last response token in `token_level_scores` [N, R]. Every
+    reward role (rule, reward model, judge) ends here."""
+    mask = batch["response_mask"]
+    r = ctx.config.reward
+    if r.overlong_buffer_len:
+        penalty = overlong_penalty(mask.sum(-1), max_len=ctx.config.rollout.max_new_tokens,
+                                   buffer_len=r.overlong_buffer_len,
+                                   penalty_factor=r.overlong_penalty_factor)
+        ctx.metrics.add_mean("reward/overlong_penalty", float(penalty.sum()), len(batch))
+        scores = scores + penalty
+    # The outcome reward sits on the last response token (token-level credit for PPO/GAE).
+    last = (mask.sum(-1).long() - 1).clamp(min=0)
+    token_scores = torch.zeros_like(mask)
+    token_scores[torch.arange(len(batch)), last] = scores
+    batch["scores"] = scores
+    batch["token_level_scores"] = token_scores * (mask.sum(-1, keepdim=True) > 0)
+    ctx.metrics.add_distribution("reward", scores)
 
 
 def score_component_field(key: str) -> str:

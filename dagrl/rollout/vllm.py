@@ -57,6 +57,7 @@ class VLLMSettings:
     gpu_memory_utilization: float
     cpu_kv_cache_gb: float
     enable_prefix_caching: bool
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_config(cls, cfg: Config) -> VLLMSettings:
@@ -66,7 +67,8 @@ class VLLMSettings:
                                                      + cfg.rollout.max_new_tokens),
                    seed=cfg.trainer.seed, gpu_memory_utilization=v.gpu_memory_utilization,
                    cpu_kv_cache_gb=v.cpu_kv_cache_gb,
-                   enable_prefix_caching=v.enable_prefix_caching)
+                   enable_prefix_caching=v.enable_prefix_caching,
+                   tensor_parallel_size=v.tensor_parallel_size)
 
 
 class WeightSyncExtension:
@@ -120,6 +122,18 @@ def _check_cpu_head_size(model_path: str) -> None:
                          "model.tiny_hidden_size / 2)")
 
 
+def _check_tensor_parallel(size: int, device: torch.device) -> None:
+    """rollout.vllm.tensor_parallel_size > 1: refused, before vLLM is imported."""
+    if size == 1:
+        return
+    if is_host(device):
+        raise ValueError(f"rollout.vllm.tensor_parallel_size={size}: vLLM tensor parallelism "
+                         "needs GPUs; on the CPU each dagrl worker runs its own engine (set 1)")
+    raise ValueError(f"rollout.vllm.tensor_parallel_size={size} is not supported yet: the "
+                     "rollout node would run on replicas of that many ranks holding the same "
+                     "prompts (designed in docs/architecture.md, not built); set 1")
+
+
 def _executor_options() -> dict:
     """With several dagrl workers, each holds its own engine (rollout TP 1) and vLLM joins the
     process group the launcher already built (its `external_launcher` executor, as verl runs
@@ -147,6 +161,7 @@ class VLLMRollout:
                  pad_token_id: int, stop_token_ids: Sequence[int] = ()) -> None:
         # The engine in this process: set before vLLM reads its environment. Its per-request
         # INFO lines (one per weight sync) would drown the training log.
+        _check_tensor_parallel(settings.tensor_parallel_size, device)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         vllm = _import_vllm()

@@ -1,4 +1,5 @@
-"""Process-group setup for one worker: the world group, a CPU group, and one group per layout.
+"""Process-group setup for one worker: the world group, a CPU group, one group per layout, and
+the replicas' groups of the training layout under tensor / sequence parallelism.
 
 Whatever started the worker (Ray, torchrun, a test) provides RANK / WORLD_SIZE / LOCAL_RANK /
 MASTER_ADDR / MASTER_PORT in the environment; this module joins the group with the backend the
@@ -36,6 +37,11 @@ class DistContext:
     # group is already gloo).
     cpu_group: dist.ProcessGroup | None = None
     layout_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
+    # The replicated (training) layout under tensor / sequence parallelism: ranks per replica,
+    # this rank's replica, and its peers (the rank at its position in every replica).
+    replica_size: int = 1
+    replica_group: dist.ProcessGroup | None = None
+    peer_group: dist.ProcessGroup | None = None
 
     @property
     def distributed(self) -> bool:
@@ -51,6 +57,12 @@ class DistContext:
         if len(ranks) == self.world_size:
             return None
         return self.layout_groups[ranks]
+
+    @property
+    def is_replica_leader(self) -> bool:
+        """The first rank of its replica: the one whose node metrics count (the replica's other
+        ranks compute the same numbers)."""
+        return self.rank % self.replica_size == 0
 
     def barrier(self) -> None:
         if self.distributed:
@@ -115,6 +127,14 @@ def create_layout_groups(ctx: DistContext, plans: list[RankPlan]) -> None:
                 layouts.append(task.dst)
     for ranks in layouts:
         ctx.layout_groups[ranks] = dist.new_group(list(ranks))
+    size = max((task.group for task in plans[0].tasks), default=1)
+    if size > 1:
+        ctx.replica_size = size
+        world = ctx.world_size
+        ctx.replica_group, _ = dist.new_subgroups_by_enumeration(
+            [list(range(d, d + size)) for d in range(0, world, size)])
+        ctx.peer_group, _ = dist.new_subgroups_by_enumeration(
+            [list(range(i, world, size)) for i in range(size)])
 
 
 def shutdown() -> None:

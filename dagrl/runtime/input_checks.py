@@ -1,7 +1,8 @@
 """Everything about a run's inputs that can be checked without loading a model or writing a
 file, checked before the run directory is touched: the graph and its roles, the model
-directory, the reward function, the datasets (schema, column types and the values of their
-first rows), and the run and checkpoint directories.
+directory and whether its heads split over the tensor / sequence-parallel sizes, the reward
+function, the datasets (schema, column types and the values of their first rows), and the run
+and checkpoint directories.
 
 `check_inputs` runs in the launching process (the Ray driver, the single worker) or on every
 torchrun rank before the process group forms, so a typo costs seconds, not a model load, and a
@@ -30,9 +31,10 @@ from dagrl.engines.models import (
 from dagrl.registry import UnknownNameError
 from dagrl.rewards.custom import load_function
 from dagrl.rewards.scorers import SCORERS
+from dagrl.rewards.tiny_reward_model import NAME as TINY_RM
 from dagrl.roles.plan import plan_for
 from dagrl.runtime.checkpoint import resolve_resume
-from dagrl.runtime.preflight import PREFLIGHT_ROWS
+from dagrl.runtime.preflight import PREFLIGHT_ROWS, check_model_parallel
 from dagrl.runtime.run_dir import RunDirError
 
 
@@ -40,6 +42,15 @@ def check_inputs(cfg: Config) -> None:
     """Raise the first problem with `cfg`'s inputs; write nothing."""
     check_graph(cfg)
     check_model_source(cfg.model.path, cfg.model.gguf_file)
+    check_model_parallel(cfg)
+    for name, derived in cfg.derived_models.items():
+        check_model_source(derived.model.path, derived.model.gguf_file,
+                           section=f"models.{name}.model")
+    if cfg.reward.source == "reward_model":
+        check_model_source(cfg.reward_model.path, "", section="reward_model",
+                           builtins=(TINY_RM,))
+    if cfg.reward.source == "judge":
+        check_model_source(cfg.judge.path, cfg.judge.gguf_file, section="judge")
     check_reward(cfg)
     t = cfg.trainer
     check_datasets(cfg, "train_files")
@@ -66,15 +77,17 @@ def check_graph(cfg: Config) -> None:
                           f"({type(err).__name__}: {err})") from err
 
 
-def check_model_source(path: str, gguf_file: str) -> None:
-    """model.path names an existing model: a known built-in, an installed package, or a local
-    directory with config.json (or the GGUF file)."""
+def check_model_source(path: str, gguf_file: str, *, section: str = "model",
+                       builtins: tuple[str, ...] = TINY_FAMILIES) -> None:
+    """`<section>.path` names an existing model: a known built-in, an installed package, or a
+    local directory with config.json (or the GGUF file)."""
     if path.startswith(BUILTIN_PREFIX):
-        if path[len(BUILTIN_PREFIX):] not in TINY_FAMILIES:
-            raise ConfigError(f"model.path: unknown built-in model {path!r}; choose one of "
-                              + ", ".join(BUILTIN_PREFIX + f for f in TINY_FAMILIES))
+        if path[len(BUILTIN_PREFIX):] not in builtins:
+            raise ConfigError(f"{section}.path: unknown built-in model {path!r}; choose one of "
+                              + ", ".join(BUILTIN_PREFIX + f for f in builtins))
         return
-    check_model_dir(package_dir(path) if path.startswith(PACKAGE_PREFIX) else path, gguf_file)
+    check_model_dir(package_dir(path) if path.startswith(PACKAGE_PREFIX) else path, gguf_file,
+                    section)
 
 
 def check_reward(cfg: Config) -> None:
@@ -102,10 +115,13 @@ def check_datasets(cfg: Config, key: str) -> None:
     if not files and builtin:
         return
     r = cfg.reward
+    # Training samples are scored by the rule scorers only with reward.source=rule;
+    # validation always reports the rule score.
+    rule_scored = r.source == "rule" or key == "val_files"
     source = ParquetPrompts(files, cfg.data.prompt_key, config_key=f"data.{key}",
-                            text_ground_truth=not r.custom_fn)
+                            text_ground_truth=rule_scored and not r.custom_fn)
     seen = source.check_sample(PREFLIGHT_ROWS)
-    if not r.custom_fn and not r.scorer:
+    if rule_scored and not r.custom_fn and not r.scorer:
         for data_source, where in seen.items():
             if data_source not in SCORERS:
                 raise DatasetError(f"{where} has data_source {data_source!r}, which no reward "

@@ -8,7 +8,9 @@ loads (loading a real model takes a minute; a typo should not).
   already busy on the cores the run wants, make every step several times slower with no
   error; say so;
 - mixed precision on a CPU that emulates bfloat16 (no AVX512-BF16 or AMX) is slower than
-  float32; say so.
+  float32; say so;
+- tensor / sequence parallelism against the model's head counts, vocabulary and MLP width,
+  read from its config alone.
 """
 
 from __future__ import annotations
@@ -19,8 +21,13 @@ from collections.abc import Callable
 
 import torch
 
+from dagrl.config.loader import ConfigError
+from dagrl.config.schema import Config
 from dagrl.data.dataset import PromptLoader
 from dagrl.device import native_bf16_matmul
+from dagrl.engines.memory_estimate import model_config
+from dagrl.engines.tensor_parallel import check_tensor_parallel
+from dagrl.engines.ulysses import check_sequence_parallel
 
 PREFLIGHT_ROWS = 1024
 
@@ -77,3 +84,19 @@ def check_mixed_precision(mixed_precision: str, device: torch.device,
         log(f"warning: model.mixed_precision={mixed_precision} on a CPU without AVX512-BF16 or "
             "AMX: bfloat16 matmuls are emulated and slower than float32 here; use "
             "model.mixed_precision=none")
+
+
+def check_model_parallel(cfg: Config) -> None:
+    """Raise ConfigError naming actor.tensor_parallel_size / sequence_parallel_size when the
+    model's heads (or vocabulary, MLP width) do not split over them; reads only its config."""
+    a = cfg.actor
+    if cfg.trainer.n_workers == 1 or a.model_parallel_size == 1:
+        return
+    config = model_config(cfg)
+    try:
+        if a.tensor_parallel_size > 1:
+            check_tensor_parallel(config, a.tensor_parallel_size)
+        if a.sequence_parallel_size > 1:
+            check_sequence_parallel(config, a.sequence_parallel_size, a.tensor_parallel_size)
+    except ValueError as err:
+        raise ConfigError(f"{err} ({cfg.model.path})") from None

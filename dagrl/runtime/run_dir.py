@@ -16,6 +16,8 @@ from dagrl.config.loader import dump_yaml
 from dagrl.config.schema import Config
 from dagrl.data.makers import MAKERS
 from dagrl.engines.models import BUILTIN_PREFIX, resolve_builtin_model
+from dagrl.rewards.tiny_reward_model import NAME as TINY_RM
+from dagrl.rewards.tiny_reward_model import write_tiny_digit_rm
 
 
 def resolve_run_dir(cfg: Config) -> Path:
@@ -29,6 +31,20 @@ def with_run_dir(cfg: Config, run_dir: Path | str) -> Config:
     once and pass the result on)."""
     return dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer,
                                                                 run_dir=str(run_dir)))
+
+
+def resolve_builtin_reward_model(path: str, out_root: Path, *, seed: int) -> str:
+    """`builtin:tiny-digit-rm` -> the tiny reward model trained and written under `out_root`
+    (dagrl/rewards/tiny_reward_model.py); other paths pass through."""
+    if not path.startswith(BUILTIN_PREFIX):
+        return path
+    if path != BUILTIN_PREFIX + TINY_RM:
+        raise ValueError(f"reward_model.path: unknown built-in reward model {path!r}; the only "
+                         f"one is {BUILTIN_PREFIX + TINY_RM}")
+    out = out_root / f"{TINY_RM}-s{seed}"
+    if not (out / "config.json").exists():
+        write_tiny_digit_rm(out, seed=seed)
+    return str(out)
 
 
 def materialize_builtins(cfg: Config, run_dir: Path) -> Config:
@@ -51,9 +67,23 @@ def materialize_builtins(cfg: Config, run_dir: Path) -> Config:
             path = MAKERS[name](out, seed=cfg.trainer.seed)[split]
         return str(path)
 
+    models = {}   # extra policies (config/models.py) whose own model.path is a built-in
+    for name, overlay in cfg.models.items():
+        own = cfg.derived_models[name].model
+        path = (overlay.get("model") or {}).get("path")
+        if path:
+            overlay = {**overlay, "model": {**overlay["model"], "path": resolve_builtin_model(
+                path, run_dir / "artifacts", hidden_size=own.tiny_hidden_size,
+                layers=own.tiny_layers, seed=cfg.trainer.seed)}}
+        models[name] = overlay
     d = cfg.data
     return dataclasses.replace(
-        cfg, model=dataclasses.replace(m, path=model_path),
+        cfg, model=dataclasses.replace(m, path=model_path), models=models,
+        reward_model=dataclasses.replace(cfg.reward_model, path=resolve_builtin_reward_model(
+            cfg.reward_model.path, run_dir / "artifacts", seed=cfg.trainer.seed)),
+        judge=dataclasses.replace(cfg.judge, path=resolve_builtin_model(
+            cfg.judge.path, run_dir / "artifacts", hidden_size=m.tiny_hidden_size,
+            layers=m.tiny_layers, seed=cfg.trainer.seed + 1) if cfg.judge.path else ""),
         data=dataclasses.replace(
             d, train_files=[data_file(s, "train_files", "train") for s in d.train_files],
             val_files=[data_file(s, "val_files", "test") for s in d.val_files]),

@@ -25,11 +25,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dagrl.config.models import model_config
 from dagrl.config.schema import Config
 from dagrl.dag.planner import RankPlan, Task
 from dagrl.data.batch import Batch
 from dagrl.data.buffer import balance, reshard
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
+from dagrl.data.replicas import from_replicas, to_replicas
 from dagrl.device import is_host
 from dagrl.engines.bundle import build_engines
 from dagrl.engines.host_memory import release_freed_memory
@@ -40,6 +42,7 @@ from dagrl.observe.loggers import RunLogger, truncate_jsonl
 from dagrl.observe.memory import GB, host_rss_bytes
 from dagrl.observe.metrics import StepMetrics
 from dagrl.observe.observer import StepObserver
+from dagrl.roles.multi_model import PrefixedMetrics, merge_view, model_view, prefix_of
 from dagrl.roles.plan import engines_of, plan_for
 from dagrl.roles.registry import ROLES, NodeContext
 from dagrl.runtime.checkpoint import Checkpointer, CheckpointError, Stateful, resolve_resume
@@ -56,6 +59,11 @@ def _check_rollout_on_every_rank(plans: list[RankPlan]) -> None:
     if missing:
         raise ValueError(f"rollout.backend=vllm with several workers needs the rollout node on "
                          f"every rank; ranks {missing} have none (drop the node's options.ranks)")
+
+
+def _fingerprint(batch: Batch) -> tuple:
+    """What identifies a replica's samples: their number and group ids."""
+    return (len(batch), tuple(batch["uid"]) if "uid" in batch else ())
 
 
 class Worker:
@@ -106,6 +114,11 @@ class Worker:
         check_mixed_precision(cfg.model.mixed_precision, self.device, self.log)
         self.engines = build_engines(cfg, needed, self.device, world_size=self.world_size,
                                      log=self.log, tokenizer=tokenizer)
+        # The config's extra policies (config/models.py), each with its own engines.
+        self.model_engines = {
+            name: build_engines(model_config(cfg, name), engines_of(self.plan, name),
+                                self.device, world_size=self.world_size, log=self.log)
+            for name in cfg.models}
         if self.loader.dropped_per_epoch:
             self.log(f"data: {self.loader.dropped_per_epoch} prompt(s) per epoch do not fill a "
                      f"batch of {d.train_batch_size} and are dropped (data.tail=drop)")
@@ -132,6 +145,7 @@ class Worker:
                                      self.device, self.dist.cpu_group,
                                      estimated_peak_gb=estimate or None)
         self.logger: RunLogger | None = None   # rank 0's, created when training starts
+        self._replicated: tuple = ()   # the training layout's samples when last balanced
 
     def log(self, message: str) -> None:
         if self.rank == 0:
@@ -149,7 +163,10 @@ class Worker:
         step_start = time.perf_counter()
         batch = self.run_tasks(self.plan.tasks, step, metrics)
         metrics.add_max("timing/step_s", time.perf_counter() - step_start)
-        metrics.add_sum("batch/samples", len(batch))
+        replicated = self.plan.tasks and self.plan.tasks[-1].group > 1
+        # A replica's samples count once, not on each of its ranks.
+        metrics.add_sum("batch/samples", len(batch)
+                        if not replicated or self.dist.is_replica_leader else 0)
         result = metrics.reduce(self.dist.cpu_group if self.dist.distributed else None)
         return self.observer.finish_step(step, result)
 
@@ -159,29 +176,75 @@ class Worker:
         batch = self.loader.next_batch().to(self.device)
         most = len(batch)
         for i, task in enumerate(tasks):
+            # The ranks of a replica compute the same node metrics: they count once.
+            sink = StepMetrics() if task.group > 1 else metrics
             with self.observer.measure(step, task, metrics):
                 if task.kind == "reshard":
                     batch = reshard(batch, task.src, task.dst, device=self.device)
+                elif task.kind == "replicate":
+                    batch = self._replicate(batch, task.group)
+                elif task.kind == "unreplicate":
+                    batch = from_replicas(batch, task.group, self.rank % task.group)
+                elif task.kind == "balance" and task.group > 1:
+                    batch = self._rebalance_replicas(batch, task.group)
                 elif task.kind == "balance":
                     batch = balance(batch, tuple(range(len(task.dst))),
                                     self.dist.group_for(task.dst), device=self.device)
+                elif task.model:   # another policy's node: it sees its own fields
+                    ctx = self.node_context(task, step, sink, upstream=tasks[:i],
+                                            step_metrics=metrics)
+                    out = ROLES.get(task.role).fn(ctx, model_view(batch, task.model))
+                    batch = merge_view(batch, out, task.model, task.node_id)
                 else:
-                    ctx = self.node_context(task, step, metrics, upstream=tasks[:i])
+                    ctx = self.node_context(task, step, sink, upstream=tasks[:i],
+                                            step_metrics=metrics)
                     batch = ROLES.get(task.role).fn(ctx, batch)
-                    if self.trim_host_memory:
-                        release_freed_memory()
-            self.observer.count_flops(task, batch, metrics)
+                if task.kind == "node" and self.trim_host_memory:
+                    release_freed_memory()
+            if not task.model:   # FLOPs are counted for the main policy's model only
+                self.observer.count_flops(task, batch, sink)
+            if sink is not metrics and self.dist.is_replica_leader:
+                metrics.merge(sink)
             most = max(most, len(batch))
         # The most samples this rank held at any point: no rank should ever hold the global batch.
         metrics.add_max("batch/max_samples_per_rank", most)
         return batch
 
+    def _replicate(self, batch: Batch, group_size: int) -> Batch:
+        """Into the training layout (data/replicas.py); remembers what each replica got, so a
+        balance before the update can tell whether anything changed since."""
+        batch = to_replicas(batch, group_size, self.dist.replica_group, device=self.device)
+        self._replicated = _fingerprint(batch)
+        return batch
+
+    def _rebalance_replicas(self, batch: Batch, group_size: int) -> Batch:
+        """A balance in the training layout: back to shards and into balanced replicas again,
+        unless no replica's samples changed since they were balanced (one flag all-reduce)."""
+        changed = torch.tensor([float(_fingerprint(batch) != self._replicated)])
+        dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.dist.cpu_group)
+        if not changed.item():
+            return batch
+        return self._replicate(from_replicas(batch, group_size, self.rank % group_size),
+                               group_size)
+
     def node_context(self, task: Task, step: int, metrics: StepMetrics,
-                     upstream: tuple[Task, ...]) -> NodeContext:
-        return NodeContext(self.cfg, self.graph.node(task.node_id), step, self.rank,
-                           self.world_size, self.engines, metrics,
-                           reduce_sum=self._reducer(self.dist.group_for(task.dst)),
-                           more=lambda: self.run_tasks(upstream, step, metrics))
+                     upstream: tuple[Task, ...],
+                     step_metrics: StepMetrics | None = None) -> NodeContext:
+        """`metrics`: where the node records; `step_metrics`: where the upstream tasks that
+        `ctx.more()` runs again record (default: the same). A node of an extra policy (`model`)
+        gets that policy's config and engines, and its metrics get the policy's prefix."""
+        again = metrics if step_metrics is None else step_metrics
+        # In the training layout a sum over the replicas counts each sample once: over the
+        # ranks at this rank's position in every replica.
+        group = self.dist.peer_group if task.group > 1 else self.dist.group_for(task.dst)
+        m = task.model
+        return NodeContext(model_config(self.cfg, m), self.graph.node(task.node_id), step,
+                           self.rank, self.world_size,
+                           self.model_engines[m] if m else self.engines,
+                           PrefixedMetrics(metrics, prefix_of(m)) if m else metrics,
+                           reduce_sum=self._reducer(group),
+                           more=lambda: self.run_tasks(upstream, step, again),
+                           model_engines=self.model_engines)
 
     def _reducer(self, group):
         if not self.dist.distributed:
@@ -231,19 +294,27 @@ class Worker:
         return self.validator.run().reduce(self.dist.cpu_group if self.dist.distributed else None)
 
     # --- checkpoints ---------------------------------------------------------------------------
-    def stateful_engines(self) -> dict[str, Stateful]:
+    def trained_engines(self) -> dict:
+        """The engines a checkpoint holds, by name: actor, critic, and `<model>:actor` /
+        `<model>:critic` of each extra policy."""
         out = {}
-        for name in ("actor", "critic"):
-            engine = getattr(self.engines, name)
-            if engine is not None:
-                out[name] = Stateful(engine.model, engine.optimizer, engine.scheduler)
+        bundles = {"": self.engines, **self.model_engines}
+        for model, engines in bundles.items():
+            for name in ("actor", "critic"):
+                engine = getattr(engines, name)
+                if engine is not None:
+                    out[f"{model}:{name}" if model else name] = engine
         return out
+
+    def stateful_engines(self) -> dict[str, Stateful]:
+        return {name: Stateful(e.model, e.optimizer, e.scheduler)
+                for name, e in self.trained_engines().items()}
 
     def save_checkpoint(self, step: int) -> Path:
         e = self.engines
         state = {"loader": self.loader.state_dict(), "world_size": self.world_size,
-                 "versions": {name: getattr(e, name).version
-                              for name in self.stateful_engines()},
+                 "versions": {name: engine.version
+                              for name, engine in self.trained_engines().items()},
                  "kl_controller": e.kl_controller.state_dict() if e.kl_controller else None}
         path = self.checkpointer.save(step, self.stateful_engines(), state,
                                       hf_files=self._write_hf_files)
@@ -277,12 +348,14 @@ class Worker:
             self.loader.load_state_dict(state["loader"])
         except ValueError as err:   # another dataset or batch size than the checkpointed run's
             raise CheckpointError(f"checkpoint {path}: {err}") from err
+        trained = self.trained_engines()
         for name, version in state["versions"].items():
-            getattr(e, name).version = version
+            trained[name].version = version
         if e.kl_controller is not None and state["kl_controller"] is not None:
             e.kl_controller.load_state_dict(state["kl_controller"])
-        e.synced_version = -1   # the rollout engines still hold the initial weights
-        e.sync_rollout_weights()
+        for engines in (e, *self.model_engines.values()):
+            engines.synced_version = -1   # the rollout engines still hold the initial weights
+            engines.sync_rollout_weights()
         step = int(state["step"])
         if self.rank == 0:
             truncate_jsonl(self.run_dir / "metrics.jsonl", step)

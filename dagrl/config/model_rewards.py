@@ -1,0 +1,94 @@
+"""The `reward_model` and `judge` sections: rewards computed by a model instead of a rule.
+
+`reward.source` picks who scores the rollout node's responses (the built-in graphs put that
+role on their `reward` node):
+
+    rule          the rule scorers / reward.custom_fn (dagrl/rewards/manager.py), the default
+    reward_model  a Hugging Face sequence-classification model, one scalar per sample
+                  (dagrl/engines/reward_model.py), sharded over the reward node's ranks
+    judge         a generative model asked to grade each response through a rollout backend;
+                  the score is parsed from its answer (dagrl/rewards/judge.py)
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Literal
+
+from dagrl.config.loader import ConfigError
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass
+class RewardModelConfig:
+    # A Hugging Face `*ForSequenceClassification` directory with one label (verl's and
+    # OpenRLHF's reward models), or `builtin:tiny-digit-rm`: a tiny classifier trained in the
+    # run directory at start (examples/reward_model.yaml, dagrl/rewards/tiny_reward_model.py).
+    path: str = ""
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    # Samples per forward pass.
+    micro_batch_size: int = 16
+    # Tokens of prompt + response given to the reward model; longer inputs keep their last
+    # max_length tokens (the response's end, where the model reads its score).
+    max_length: int = 1024
+
+    def __post_init__(self) -> None:
+        _check(self.micro_batch_size >= 1, "micro_batch_size must be >= 1")
+        _check(self.max_length >= 2, "max_length must be >= 2")
+
+
+# The default judge prompt: {prompt} is the last user message of the sample's prompt,
+# {response} the policy's answer, {ground_truth} the row's reward_model.ground_truth.
+DEFAULT_JUDGE_TEMPLATE = (
+    "Rate the answer to the question from 0 to 10.\n"
+    "Question: {prompt}\nReference answer: {ground_truth}\nAnswer: {response}\n"
+    "Reply with the rating only."
+)
+TEMPLATE_FIELDS = ("prompt", "response", "ground_truth")
+
+
+@dataclass
+class JudgeConfig:
+    # A causal LM directory (or GGUF file in it, judge.gguf_file) that grades each response.
+    path: str = ""
+    gguf_file: str = ""
+    dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    # The judge generates in-process: native (Llama/Qwen2 families), hf (any causal LM) or
+    # auto (native when it can).
+    backend: Literal["auto", "native", "hf"] = "auto"
+    template: str = DEFAULT_JUDGE_TEMPLATE
+    # A regular expression with one group: the first match in the judge's answer is the score.
+    score_pattern: str = r"(-?\d+(?:\.\d+)?)"
+    # Scores are divided by this (10: a 0-10 rating becomes a 0-1 reward).
+    score_scale: float = 10.0
+    max_new_tokens: int = 16
+    # Greedy (0) by default: a judge should grade the same answer the same way.
+    temperature: float = 0.0
+    # The reward of an answer the judge's output does not parse for: counted in the metric
+    # judge/unparseable (the first such output is logged), the run goes on.
+    unparseable_score: float = 0.0
+    micro_batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        _check(self.max_new_tokens >= 1, "max_new_tokens must be >= 1")
+        _check(self.temperature >= 0, "temperature must be >= 0")
+        _check(self.score_scale > 0, "score_scale must be > 0")
+        _check(self.micro_batch_size >= 1, "micro_batch_size must be >= 1")
+        try:
+            groups = re.compile(self.score_pattern).groups
+        except re.error as err:
+            raise ConfigError(f"score_pattern {self.score_pattern!r} is not a regular "
+                              f"expression: {err}") from err
+        _check(groups == 1, f"score_pattern {self.score_pattern!r} must have exactly one group "
+                            f"(the score), it has {groups}")
+        try:
+            self.template.format(**{k: "" for k in TEMPLATE_FIELDS})
+        except (KeyError, IndexError, ValueError) as err:
+            raise ConfigError(f"template may use only the fields {{prompt}}, {{response}} and "
+                              f"{{ground_truth}} (write {{{{ and }}}} for literal braces): "
+                              f"{type(err).__name__}: {err}") from err

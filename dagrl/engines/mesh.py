@@ -1,0 +1,93 @@
+"""The training device mesh (data parallel x sequence parallel x tensor parallel) and what it
+does to a model.
+
+    world = dp * sp * tp          rank = (d * sp + s) * tp + t
+
+`actor.tensor_parallel_size` (tp) and `actor.sequence_parallel_size` (sp) come from the config;
+the rest of the workers are data-parallel replicas (dp). The actor, the reference and the
+critic share this mesh (one training layout, so the samples move into it once per step). The
+tp * sp consecutive ranks of one replica hold the same samples (the planner's replicate task,
+dag/planner.py); the dp replicas hold different ones.
+
+Which group does what:
+  fsdp  (dp x sp, flattened)  FSDP2 shards every parameter (its tp slice) over it and averages
+                              the gradients
+  tp    (the last dim)        tensor parallelism: heads, MLP columns, vocabulary
+                              (tensor_parallel.py)
+  sp    (the middle dim)      Ulysses: sequence shards <-> head shards around attention
+                              (ulysses.py)
+  dp    (the first dim)       one rank per replica with the same (s, t): sums over it (loss
+                              denominators) count each sample once
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from dagrl.engines.sharding import fully_shard_layers
+from dagrl.engines.tensor_parallel import tensor_parallelize
+from dagrl.engines.ulysses import ulysses_parallelize
+
+
+@dataclass
+class TrainMesh:
+    dp: int = 1
+    sp: int = 1
+    tp: int = 1
+    mesh: DeviceMesh | None = None        # None: one worker, nothing is sharded
+    fsdp_mesh: DeviceMesh | None = None   # 1-D: dp, or dp x sp flattened
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.sp * self.tp
+
+    @property
+    def fsdp_size(self) -> int:
+        """Ranks FSDP2 averages gradients over."""
+        return self.dp * self.sp
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        return self.mesh["tp"] if self.mesh is not None and self.tp > 1 else None
+
+    @property
+    def sp_mesh(self) -> DeviceMesh | None:
+        return self.mesh["sp"] if self.mesh is not None and self.sp > 1 else None
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The replicas' group (the ranks with this rank's s and t); None with one replica."""
+        if self.mesh is None or self.dp == 1:
+            return None
+        return self.mesh["dp"].get_group()
+
+
+def build_train_mesh(world_size: int, tensor_parallel: int, sequence_parallel: int,
+                     device_type: str) -> TrainMesh:
+    """The (dp, sp, tp) mesh for `world_size` ranks (collective: every rank calls it)."""
+    tp, sp = tensor_parallel, sequence_parallel
+    if world_size % (tp * sp):
+        raise ValueError(f"{world_size} workers do not split into tensor-parallel groups of {tp} "
+                         f"x sequence-parallel groups of {sp}")
+    if world_size == 1:
+        return TrainMesh()
+    dp = world_size // (tp * sp)
+    mesh = init_device_mesh(device_type, (dp, sp, tp), mesh_dim_names=("dp", "sp", "tp"))
+    fsdp = mesh["dp"] if sp == 1 else mesh["dp", "sp"]._flatten("fsdp")
+    return TrainMesh(dp, sp, tp, mesh, fsdp)
+
+
+def parallelize_model(model: torch.nn.Module, mesh: TrainMesh) -> torch.nn.Module:
+    """Tensor parallelism, then Ulysses attention, then FSDP2 over the fsdp mesh (in place; a
+    no-op for one worker)."""
+    if mesh.mesh is None:
+        return model
+    if mesh.tp > 1:
+        tensor_parallelize(model, mesh.tp_mesh)
+    if mesh.sp > 1:
+        ulysses_parallelize(model, mesh.sp_mesh, mesh.tp)
+    return fully_shard_layers(model, mesh.fsdp_mesh)

@@ -1,0 +1,164 @@
+"""Tensor parallelism for Llama / Qwen2-layout decoders (Megatron's split, torchtitan's recipe).
+
+Per decoder layer, with tp ranks:
+
+    q_proj, k_proj, v_proj, gate_proj, up_proj   ColwiseParallel: rank t holds 1/tp of the
+                                                 output rows (whole heads, MLP columns)
+    o_proj, down_proj                            RowwiseParallel: 1/tp of the input columns;
+                                                 the partial outputs are all-reduced
+    input / post-attention norms                 Replicate (the residual stream is whole)
+
+and for the model: the token embedding is RowwiseParallel over the vocabulary (each rank looks
+up its rows, an all-reduce sums), the LM head's weight is sharded over the vocabulary the same
+way (tied to the embedding, it is the same parameter), so the head's logits are [n, V / tp] per
+rank and the log-softmax reduces over ranks (vocab_parallel.py); the final norm is replicated.
+Every parameter is then a DTensor on the tp mesh, and FSDP2 shards it over the dp dimension
+on top (a 2-D mesh).
+
+HF's attention reshapes projections with `view(..., -1, head_dim)`, so each rank simply runs
+attention on its local heads. Fewer KV heads than ranks (the tiny models have one): k_proj and
+v_proj stay whole on every rank, each rank slices out the KV head its query heads read, and the
+gradients of that weight and of its input are summed over the tp group in backward (only the
+ranks reading a head contribute to it), as Megatron and vLLM replicate KV heads.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_module,
+    distribute_tensor,
+)
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    parallelize_module,
+)
+
+from dagrl.engines.sharding import decoder_layers
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP = ("gate_proj", "up_proj", "down_proj")
+
+
+def head_counts(config) -> tuple[int, int]:
+    """(query heads, key/value heads) of a HF model config."""
+    heads = config.num_attention_heads
+    return heads, getattr(config, "num_key_value_heads", None) or heads
+
+
+def check_tensor_parallel(config, tp: int, key: str = "actor.tensor_parallel_size") -> None:
+    """Raise ValueError naming `key` unless `tp` splits the model's heads: the query heads
+    evenly, and the KV heads evenly or each KV head onto a whole number of ranks."""
+    heads, kv = head_counts(config)
+    if heads % tp:
+        raise ValueError(f"{key}={tp} must divide the model's num_attention_heads ({heads})")
+    if kv % tp and tp % kv:
+        raise ValueError(f"{key}={tp} must divide the model's num_key_value_heads ({kv}) or be "
+                         f"a multiple of it (KV heads are then replicated)")
+    inter = getattr(config, "intermediate_size", 0)
+    if inter % tp:
+        raise ValueError(f"{key}={tp} must divide the model's intermediate_size ({inter})")
+    vocab = config.vocab_size
+    if vocab % tp:
+        raise ValueError(f"{key}={tp} must divide the model's vocab_size ({vocab})")
+
+
+def sum_grad_over(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Identity in forward; in backward the gradient is summed over `mesh` (Megatron's "f"):
+    a tensor used whole on every rank, each rank's gradient being a partial sum."""
+    return DTensor.from_local(t, mesh, [Replicate()], run_check=False).to_local(
+        grad_placements=[Partial()])
+
+
+def _replicate_params(module: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """Every parameter of `module` a Replicate DTensor; inputs converted to, outputs back from,
+    DTensors (the math runs on the whole tensors, as without TP)."""
+    distribute_module(
+        module, mesh,
+        input_fn=lambda mod, inputs, m: tuple(
+            DTensor.from_local(x, m, [Replicate()], run_check=False)
+            if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x
+            for x in inputs),
+        output_fn=lambda mod, out, m: out.to_local() if isinstance(out, DTensor) else out)
+
+
+def _replicated_kv(linear: torch.nn.Linear, mesh: DeviceMesh, rows: slice) -> None:
+    """k_proj / v_proj with fewer KV heads than tp ranks: the weight stays whole (Replicate) and
+    rank t computes only `rows` (its KV head): [.., H] -> [.., head_dim]."""
+    distribute_module(linear, mesh)          # Replicate parameters, no input/output hooks
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        weight = sum_grad_over(linear.weight.to_local(), mesh)[rows]
+        bias = (sum_grad_over(linear.bias.to_local(), mesh)[rows]
+                if linear.bias is not None else None)
+        return F.linear(sum_grad_over(x, mesh), weight, bias)
+
+    linear.forward = forward
+
+
+def tensor_parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+    """Shard `model` (a HF causal LM or token-classification model of the Llama/Qwen2 layout)
+    over the 1-D tp `mesh` in place; see the module docstring."""
+    tp, rank = mesh.size(), mesh.get_local_rank()
+    config = model.config
+    check_tensor_parallel(config, tp)
+    heads, kv = head_counts(config)
+    for layer in decoder_layers(model):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if (attn is None or mlp is None or not all(hasattr(attn, n) for n in ATTENTION)
+                or not all(hasattr(mlp, n) for n in MLP)):
+            raise ValueError(f"tensor parallelism supports Llama/Qwen2-layout decoder layers "
+                             f"(self_attn.{{q,k,v,o}}_proj, mlp.{{gate,up,down}}_proj); "
+                             f"{type(layer).__name__} differs")
+        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel()}
+        if kv % tp == 0:
+            plan["self_attn.k_proj"] = ColwiseParallel()
+            plan["self_attn.v_proj"] = ColwiseParallel()
+        parallelize_module(layer, mesh, plan)
+        if kv % tp:
+            head_dim = attn.head_dim
+            head = rank // (tp // kv)            # the KV head this rank's query heads read
+            rows = slice(head * head_dim, (head + 1) * head_dim)
+            _replicated_kv(attn.k_proj, mesh, rows)
+            _replicated_kv(attn.v_proj, mesh, rows)
+        # Query heads per KV head on this rank (sdpa / eager repeat the KV heads by it).
+        attn.num_key_value_groups = (heads // tp) // max(kv // tp, 1)
+        for name, child in layer.named_children():
+            if name not in ("self_attn", "mlp"):
+                _replicate_params(child, mesh)
+    _parallelize_ends(model, mesh)
+    return model
+
+
+def _parallelize_ends(model: torch.nn.Module, mesh: DeviceMesh) -> None:
+    """Embedding and LM head sharded over the vocabulary, the rest (final norm, a critic's
+    score head, the rotary embedding has no parameters) replicated."""
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    tied = head is not None and head.weight is embed.weight
+    parallelize_module(embed, mesh, RowwiseParallel(input_layouts=Replicate()))
+    if tied:
+        head.weight = embed.weight                 # the same DTensor parameter
+    elif head is not None:
+        # No hooks: the head only runs through forward.py's vocabulary-parallel log-probs.
+        head.weight = torch.nn.Parameter(distribute_tensor(head.weight, mesh, [Shard(0)]),
+                                         requires_grad=head.weight.requires_grad)
+        if head.bias is not None:
+            head.bias = torch.nn.Parameter(distribute_tensor(head.bias, mesh, [Shard(0)]),
+                                           requires_grad=head.bias.requires_grad)
+    layers = {id(p) for layer in decoder_layers(model) for p in layer.parameters()}
+    done = {id(embed.weight)} | ({id(p) for p in head.parameters()} if head is not None else set())
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False)
+               if id(p) not in layers and id(p) not in done and not isinstance(p, DTensor)]
+        if own:
+            _replicate_params(module, mesh)
