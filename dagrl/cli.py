@@ -12,6 +12,7 @@
     dagrl bench rollout                         # our native rollout vs transformers generate
     dagrl bench e2e                             # our GRPO step loop vs TRL's GRPOTrainer
     dagrl bench memory                          # peak RSS of each memory setting, one run
+    dagrl bench async                           # sync vs async training on the same 2 workers
     dagrl bench scale [--calibrate] [--quick]   # weak-scaling model, dagrl vs single controller
 """
 
@@ -41,14 +42,14 @@ def plan_main(argv: Sequence[str]) -> int:
     from dagrl.dag.planner import format_plan
     from dagrl.dag.spec import GraphError
     from dagrl.registry import UnknownNameError
-    from dagrl.roles.plan import plan_for
+    from dagrl.roles.plan import plan_with_sides
     from dagrl.runtime.preflight import check_model_parallel
     from dagrl.train import load_cli_config
 
     try:
         cfg = load_cli_config(ns.args)
         check_model_parallel(cfg)
-        graph, order, plans = plan_for(cfg, cfg.trainer.n_workers)
+        graph, order, plans, sides = plan_with_sides(cfg, cfg.trainer.n_workers)
     except (ConfigError, GraphError, UnknownNameError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -57,6 +58,12 @@ def plan_main(argv: Sequence[str]) -> int:
     if ns.format == "text":
         from dagrl.algorithms.catalog import describe_algorithm
         text = "\n".join(describe_algorithm(cfg.algorithm)) + "\n" + text
+        if sides is not None:   # trainer.mode=async: what the reshard between the sides is
+            text += (f"async: ranks {','.join(map(str, sides.rollout_ranks))} loop over "
+                     f"{', '.join(sides.rollout_nodes)} and push scored groups into the async "
+                     f"buffer; ranks {','.join(map(str, sides.trainer_ranks))} pull batches at "
+                     f"most rollout.max_staleness={cfg.rollout.max_staleness} versions old and "
+                     "send new weights back after each update\n")
     if ns.memory:
         text += "\n" + _memory_estimate(cfg, plans) + "\n"
     if ns.out:
@@ -113,7 +120,7 @@ def data_main(argv: Sequence[str]) -> int:
     return 0
 
 
-BENCHMARKS = ("dataplane", "learning", "rollout", "e2e", "memory", "scale")
+BENCHMARKS = ("dataplane", "learning", "rollout", "e2e", "memory", "async", "scale")
 
 
 def bench_main(argv: Sequence[str]) -> int:

@@ -77,6 +77,15 @@ def test_shard_groups_are_refused_with_tensor_or_sequence_parallelism(parallel):
                                "data.train_batch_size=8", "actor.mini_batch_size=8"])
 
 
+def test_shard_groups_are_refused_in_async_mode():
+    # the async trainer ranks shard over one 1-D subgroup (engines/sharding.py)
+    with pytest.raises(ConfigError, match=r"trainer.mode=async with trainer.fsdp_shard_size "
+                                          r"\(2\) < trainer.n_workers \(4\)"):
+        load_config(Config, None, ["trainer.n_workers=4", "trainer.fsdp_shard_size=2",
+                                   "trainer.mode=async", "trainer.val_before_train=false",
+                                   "data.train_batch_size=8", "actor.mini_batch_size=8"])
+
+
 def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -1,5 +1,5 @@
 """Rewards from models: a sequence-classification reward model and a generative judge
-(dagrl/engines/reward_model.py, dagrl/rewards/judge.py, roles/model_reward.py)."""
+(dagrl/engines/reward_model.py, dagrl/engines/judge.py, roles/model_reward.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dagrl.config.loader import ConfigError
 from dagrl.config.model_rewards import JudgeConfig
 from dagrl.config.schema import Config
 from dagrl.data.dataset import encode_prompt
+from dagrl.engines.judge import Judge
 from dagrl.engines.models import (
     build_char_tokenizer,
     load_model,
@@ -27,8 +28,7 @@ from dagrl.engines.reward_model import (
     load_reward_model,
     render_pair,
 )
-from dagrl.rewards.judge import Judge
-from dagrl.rewards.tiny_reward_model import digit_share, train_tiny_digit_rm
+from dagrl.engines.tiny_reward_model import digit_share, train_tiny_digit_rm
 from dagrl.rollout import model_rollout
 from dagrl.runtime.launch import launch
 from dagrl.train import load_cli_config

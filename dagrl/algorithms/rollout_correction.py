@@ -109,6 +109,17 @@ def rollout_is_weights(log_ratio: Tensor, mask: Tensor, level: str, threshold: s
     return weights
 
 
+def is_threshold_hits(log_ratio: Tensor, mask: Tensor, level: str,
+                      threshold: str | float) -> Tensor:
+    """The valid tokens whose weight the threshold changed [B, T] bool: truncated at U (TIS),
+    or zeroed outside [L, U] (IcePop: masked importance sampling)."""
+    upper, lower = parse_is_threshold(threshold)
+    m = mask.bool()
+    raw = ROLLOUT_IS_LEVELS.get(level)(log_ratio.detach(), mask.to(log_ratio.dtype))
+    hits = raw > upper if lower is None else (raw < lower) | (raw > upper)
+    return hits & m
+
+
 # ------------------------------------------------------------------------- rejection masks
 
 # Per-token divergence estimates of KL(π_rollout ‖ π_train) from δ = log π_train − log π_rollout.

@@ -7,7 +7,7 @@ role on their `reward` node):
     reward_model  a Hugging Face sequence-classification model, one scalar per sample
                   (dagrl/engines/reward_model.py), sharded over the reward node's ranks
     judge         a generative model asked to grade each response through a rollout backend;
-                  the score is parsed from its answer (dagrl/rewards/judge.py)
+                  the score is parsed from its answer (dagrl/engines/judge.py)
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _check(cond: bool, message: str) -> None:
 class RewardModelConfig:
     # A Hugging Face `*ForSequenceClassification` directory with one label (verl's and
     # OpenRLHF's reward models), or `builtin:tiny-digit-rm`: a tiny classifier trained in the
-    # run directory at start (examples/reward_model.yaml, dagrl/rewards/tiny_reward_model.py).
+    # run directory at start (examples/reward_model.yaml, dagrl/engines/tiny_reward_model.py).
     path: str = ""
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     # Samples per forward pass.

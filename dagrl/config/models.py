@@ -18,12 +18,12 @@ trainer, dag, logging, profiler) are shared and cannot be overridden per model.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dagrl.config.loader import ConfigError, from_dict, merge, to_dict
 
-if TYPE_CHECKING:
-    from dagrl.config.schema import Config
+# `cfg` below is a dagrl.config.schema.Config; not imported here, since schema imports this.
+Config = Any
 
 # The sections an extra model may override.
 MODEL_SECTIONS = ("model", "actor", "rollout", "ref", "critic", "reward", "reward_model",

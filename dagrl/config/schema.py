@@ -171,9 +171,19 @@ class RolloutConfig:
     backend: Literal["auto", "native", "hf", "vllm", "server"] = "auto"
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    # trainer.mode=async only (docs/async.md). A batch is trained on at most this many updates
+    # after the policy version that generated its oldest token (0: on-policy, the two sides
+    # alternate).
+    max_staleness: int = 1
+    # Partial rollout: generate in chunks of partial_chunk_tokens; between chunks new weights
+    # are loaded and the generation continues with them (each token records its version).
+    partial: bool = False
+    partial_chunk_tokens: int = 16
 
     def __post_init__(self) -> None:
         _check(self.n > 0, "n must be > 0")
+        _check(self.max_staleness >= 0, "max_staleness must be >= 0 (0: on-policy)")
+        _check(self.partial_chunk_tokens > 0, "partial_chunk_tokens must be > 0")
         _check(self.val_n > 0, "val_n must be > 0")
         _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids >= 0")
         _check(self.val_temperature >= 0, "val_temperature must be >= 0")
@@ -406,8 +416,13 @@ class TrainerConfig:
     # the per-layer all-gathers and reduce-scatters stay inside a node and only a gradient
     # all-reduce of each rank's shard crosses nodes (verl's fsdp_size). n_workers must be a
     # multiple of k. The numbers of a run do not change; docs/scaling.md shows what it buys.
-    # Not combined with actor.tensor_parallel_size / sequence_parallel_size > 1 (refused).
+    # Not combined with actor.tensor_parallel_size / sequence_parallel_size > 1 or with
+    # mode=async (refused).
     fsdp_shard_size: int = 0
+    # sync: every rank runs the whole graph each step. async: rollout and reward nodes run on
+    # one subset of the workers, the rest of the graph on the others, as two loops that meet in
+    # a buffer (rollout.max_staleness, rollout.partial; docs/async.md).
+    mode: Literal["sync", "async"] = "sync"
 
     def __post_init__(self) -> None:
         _check(self.total_steps > 0, "total_steps must be > 0")
@@ -525,6 +540,7 @@ class Config:
                or bool(self.data.val_files),
                "trainer.val_every / trainer.val_before_train need data.val_files")
         self._check_reward_source()
+        _check_async(self)
         # Each extra model's full config, built (and checked) once.
         self.derived_models: dict[str, Config] = derive_model_configs(self)
         p = self.profiler
@@ -557,9 +573,47 @@ class Config:
         return self.trainer.n_workers // self.actor.model_parallel_size
 
     @property
+    def is_async(self) -> bool:
+        return self.trainer.mode == "async"
+
+    @property
     def mini_batch_samples_per_rank(self) -> int:
         """Samples per optimizer step on each worker: actor.mini_batch_size counts prompts over
         all workers, each with rollout.n samples (actor and critic step on the same ones). The
         ranks of one tensor/sequence-parallel replica step on the same samples, so this is per
-        replica."""
+        replica (trainer.mode=async: engines/bundle.py divides over the trainer ranks)."""
         return self.actor.mini_batch_size * self.rollout.n // self.data_parallel_size
+
+
+def _check_async(cfg: Config) -> None:
+    """trainer.mode=async and what it does not support yet (docs/async.md)."""
+    r, t = cfg.rollout, cfg.trainer
+    _check(not r.partial or cfg.is_async, "rollout.partial needs trainer.mode=async")
+    if not cfg.is_async:
+        return
+    _check(t.n_workers >= 2, f"trainer.mode=async needs trainer.n_workers >= 2 (rollout and "
+                             f"training run on different workers), got {t.n_workers}")
+    _check(r.backend in ("auto", "native", "hf"),
+           f"trainer.mode=async supports rollout.backend auto, native or hf, not {r.backend}")
+    _check(not (t.val_every or t.val_before_train),
+           "trainer.mode=async does not validate yet: set trainer.val_every=0 and "
+           "trainer.val_before_train=false")
+    _check(cfg.profiler.enable is False, "trainer.mode=async does not run the profiler yet")
+    a = cfg.actor
+    _check(a.model_parallel_size == 1,
+           f"trainer.mode=async with actor.tensor_parallel_size ({a.tensor_parallel_size}) or "
+           f"actor.sequence_parallel_size ({a.sequence_parallel_size}) > 1 is not supported "
+           "yet (the trainer ranks shard over one 1-D group); set both to 1 or "
+           "trainer.mode=sync")
+    _check(not 0 < t.fsdp_shard_size < t.n_workers,
+           f"trainer.mode=async with trainer.fsdp_shard_size ({t.fsdp_shard_size}) < "
+           f"trainer.n_workers ({t.n_workers}) (HSDP) is not supported yet (the trainer ranks "
+           "shard over one 1-D group); set trainer.fsdp_shard_size=0 or trainer.mode=sync")
+    _check(not cfg.models,
+           f"trainer.mode=async with `models` ({', '.join(sorted(cfg.models))}) is not "
+           "supported yet (extra policies are sharded over every rank); drop `models` or set "
+           "trainer.mode=sync")
+    _check(cfg.reward.source == "rule",
+           f"trainer.mode=async with reward.source={cfg.reward.source} is not supported yet "
+           "(the reward model / judge node is not placed on the rollout side); set "
+           "reward.source=rule or trainer.mode=sync")

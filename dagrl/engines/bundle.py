@@ -31,13 +31,13 @@ from dagrl.engines.host_memory import (
     keep_freed_memory,
     map_large_blocks,
 )
+from dagrl.engines.judge import Judge
 from dagrl.engines.lora import ReferenceView, apply_lora, is_lora, plain_copy
 from dagrl.engines.mesh import build_train_mesh, parallelize_model
 from dagrl.engines.models import DTYPES, cast_copy, load_model, load_tokenizer
 from dagrl.engines.precision import store_linears_in_low_precision
 from dagrl.engines.reward_model import RewardModelEngine, load_reward_model
 from dagrl.engines.sharding import checkpoint_activations, compile_layers, shard_model
-from dagrl.rewards.judge import Judge
 from dagrl.rewards.manager import RewardManager
 from dagrl.rollout import RolloutEngine, build_rollout, model_rollout
 from dagrl.rollout.sampling import logprob_temperature
@@ -81,9 +81,11 @@ class Engines:
 
 def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
                   world_size: int = 1, log: Callable[[str], None] = print,
-                  tokenizer=None) -> Engines:
+                  tokenizer=None, dp_group: dist.ProcessGroup | None = None) -> Engines:
     """Build the engines in `needed` (names from dagrl.roles.registry.ENGINES); `tokenizer`:
-    the run's, when the caller has loaded it already (the worker does, for its pre-flight)."""
+    the run's, when the caller has loaded it already (the worker does, for its pre-flight);
+    `dp_group`: the ranks the trained models are sharded over when not all of them
+    (trainer.mode=async: the trainer ranks; `world_size` is then their number)."""
     m = cfg.model
     if is_host(device):                 # before any model is allocated (host_memory.py)
         if cfg.trainer.keep_freed_memory:
@@ -101,19 +103,30 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
     mesh = (build_train_mesh(world_size, a.tensor_parallel_size, a.sequence_parallel_size,
                              device.type) if parallel and needed & MESH_ENGINES else None)
 
+    shard_group = dp_group   # None: all ranks (dp_group is rebound below)
+
     def shard(model: torch.nn.Module) -> torch.nn.Module:
         if mesh is not None:
             return parallelize_model(model, mesh)
-        # FSDP2 over all workers, or HSDP over groups of trainer.fsdp_shard_size (tp = sp = 1)
-        return shard_model(model, world_size, device.type, cfg.trainer.fsdp_shard_size)
+        # FSDP2 over all workers (or the async trainer ranks), or HSDP over groups of
+        # trainer.fsdp_shard_size (tp = sp = 1, sync only)
+        return shard_model(model, world_size, device.type, cfg.trainer.fsdp_shard_size,
+                           group=shard_group)
 
     if tokenizer is None:
         tokenizer = load_tokenizer(m.path, m.gguf_file)
     engines = Engines(tokenizer=tokenizer, log=log)
+    # Samples per optimizer step on each rank: the mini-batch over the ranks that train (per
+    # tensor/sequence-parallel replica; trainer.mode=async: over the trainer ranks, and
+    # tensor/sequence parallelism is refused there by the config).
+    mini_batch_samples = (cfg.mini_batch_samples_per_rank if dp_group is None else
+                          cfg.actor.mini_batch_size * cfg.rollout.n // world_size)
     if mesh is not None:   # sums over the replicas; gradients averaged over dp x sp ranks
         dp_group, grad_scale = mesh.dp_group, mesh.fsdp_size
-    else:
+    elif dp_group is None:
         dp_group, grad_scale = (dist.group.WORLD if world_size > 1 else None), 0
+    else:
+        dp_group, grad_scale = (dp_group if world_size > 1 else None), 0
     if "actor" in needed:
         actor_model = load()
         lora = a.lora
@@ -126,7 +139,7 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
             compile_layers(actor_model)
         engines.actor = ActorEngine(shard(actor_model), cfg.actor, cfg.algorithm,
                                     temperature=logprob_temperature(cfg.rollout.temperature),
-                                    mini_batch_samples=cfg.mini_batch_samples_per_rank,
+                                    mini_batch_samples=mini_batch_samples,
                                     pack_sequences=m.pack_sequences,
                                     mixed_precision=m.mixed_precision, dp_group=dp_group,
                                     grad_scale=grad_scale)
@@ -135,7 +148,7 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
                                         m.attn_implementation)
         engines.critic = CriticEngine(shard(critic_model), cfg.critic,
                                       loss_agg_mode=cfg.algorithm.loss_agg_mode,
-                                      mini_batch_samples=cfg.mini_batch_samples_per_rank,
+                                      mini_batch_samples=mini_batch_samples,
                                       pack_sequences=m.pack_sequences,
                                       mixed_precision=m.mixed_precision, dp_group=dp_group,
                                       grad_scale=grad_scale)

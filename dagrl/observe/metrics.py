@@ -41,8 +41,9 @@ class StepMetrics:
         self._min[name] = min(self._min.get(name, math.inf), float(value))
 
     def merge(self, other: StepMetrics) -> None:
-        """Add `other`'s statistics to these (a node's metrics recorded apart, e.g. on the
-        ranks of a tensor-parallel replica, which count once)."""
+        """Add `other`'s statistics to these, as if they had been recorded here (a node's
+        metrics recorded apart, e.g. on the ranks of a tensor-parallel replica, which count
+        once; the async trainer merges the rollout side's metrics that came with a batch)."""
         for key, value in other._sum.items():
             self._sum[key] += value
         for name, value in other._max.items():

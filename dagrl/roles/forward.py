@@ -7,7 +7,7 @@ Fields added for N samples, response width R: old_logprobs / ref_logprobs / valu
 
 from __future__ import annotations
 
-from dagrl.algorithms.rollout_correction import rollout_correction
+from dagrl.algorithms.rollout_correction import is_threshold_hits, rollout_correction
 from dagrl.config.schema import OLD_POLICY_ESTIMATORS
 from dagrl.data.batch import Batch
 from dagrl.engines.actor import rollout_correction_params
@@ -54,6 +54,13 @@ def _rollout_correction(ctx: NodeContext, batch: Batch) -> None:
     ctx.metrics.add_mean("rollout_corr/rs_masked_fraction", tokens - float(kept.sum()), tokens)
     if weights is not None:
         ctx.metrics.add_mean("rollout_corr/is_weight_mean", float((weights * mask).sum()), tokens)
+        rc = ctx.config.algorithm.rollout_correction
+        hits = is_threshold_hits(batch["old_logprobs"] - batch["rollout_logprobs"], mask,
+                                 rc.rollout_is, str(rc.rollout_is_threshold))
+        # TIS truncates the weights above U; "L_U" (IcePop, masked IS) zeroes those outside.
+        name = "is_masked_fraction" if "_" in str(rc.rollout_is_threshold) else \
+            "is_clipped_fraction"
+        ctx.metrics.add_mean(f"rollout_corr/{name}", float(hits.sum()), tokens)
         batch["rollout_is_weights"] = weights
     batch["response_mask"] = kept
 

@@ -21,7 +21,7 @@ import torch
 from dagrl.dag.spec import GraphError
 from dagrl.data.batch import Batch
 from dagrl.data.dataset import encode_prompt
-from dagrl.rewards.judge import question_text
+from dagrl.engines.judge import question_text
 from dagrl.roles.registry import NodeContext, register_role
 from dagrl.roles.score import decode_responses
 

@@ -17,6 +17,7 @@ import dagrl.roles.multi_model
 import dagrl.roles.score
 import dagrl.roles.update  # noqa: F401
 from dagrl.config.schema import Config
+from dagrl.dag.async_placement import AsyncSides, place_async
 from dagrl.dag.builtin import BUILTIN_GRAPHS
 from dagrl.dag.planner import PlanSizes, RankPlan, make_plan
 from dagrl.dag.spec import GraphError, GraphSpec, load_graph_yaml, validate_graph
@@ -38,18 +39,38 @@ def build_graph(cfg: Config) -> GraphSpec:
     return BUILTIN_GRAPHS.get(name)(cfg)
 
 
+# trainer.mode=async: the roles that run on the rollout ranks, and those that follow them there
+# when their inputs are made there (dag/async_placement.py): the reference is frozen, so its
+# log-probs need no weights from the trainer.
+ROLLOUT_SIDE_ROLES = frozenset({"rollout", "greedy_baseline", "reward"})
+FOLLOWER_ROLES = frozenset({"ref_logprob"})
+
+
 def plan_for(cfg: Config, world_size: int) -> tuple[GraphSpec, list[str], list[RankPlan]]:
     """Import user roles, build and validate the graph, and plan it for `world_size` ranks
     (under tensor / sequence parallelism, the model nodes in replicas of tp x sp ranks)."""
+    graph, order, plans, _ = plan_with_sides(cfg, world_size)
+    return graph, order, plans
+
+
+def plan_with_sides(cfg: Config, world_size: int
+                    ) -> tuple[GraphSpec, list[str], list[RankPlan], AsyncSides | None]:
+    """`plan_for`, and under trainer.mode=async the graph placed on its two sides first (None
+    in sync mode; the config refuses async with tensor/sequence parallelism or `models`)."""
     import_user_modules(cfg.dag.modules)
     graph = build_graph(cfg)
     order = validate_graph(graph, ROLES)
     check_node_models(graph, cfg, world_size)
+    sides = None
+    if cfg.is_async:
+        graph, order, sides = place_async(graph, order, world_size, ROLLOUT_SIDE_ROLES,
+                                          FOLLOWER_ROLES)
     trains = frozenset(name for name in ROLES if ROLES.get(name).trains)
     models = frozenset(name for name in ROLES if ROLES.get(name).runs_model)
     group = cfg.actor.model_parallel_size if world_size > 1 else 1
-    return graph, order, make_plan(graph, order, world_size, trains, group=group,
-                                   model_roles=models, sizes=plan_sizes(cfg, graph, order))
+    plans = make_plan(graph, order, world_size, trains, group=group, model_roles=models,
+                      sizes=plan_sizes(cfg, graph, order))
+    return graph, order, plans, sides
 
 
 # The per-sample tensor fields of a step's prompts (data/dataset.py), as roles declare theirs.

@@ -121,8 +121,12 @@ class Checkpointer:
     def __init__(self, root: Path, *, rank: int, keep_last: int,
                  barrier: Callable[[], None],
                  broadcast: Callable[[Any], Any] = lambda obj: obj,
-                 all_ok: Callable[[bool], bool] = lambda ok: ok) -> None:
+                 all_ok: Callable[[bool], bool] = lambda ok: ok,
+                 process_group: dist.ProcessGroup | None = None) -> None:
         self.root, self.rank, self.keep_last = Path(root), rank, keep_last
+        # The ranks that hold the trained models (trainer.mode=async: the trainer ranks; None:
+        # all of them), over which DCP coordinates.
+        self.process_group = process_group
         # `broadcast`: rank 0's object on every rank; `all_ok`: True on every rank iff every
         # rank passed True. Identities for one worker. Ranks must agree on whether a load
         # worked, or one would train while another falls back.
@@ -144,7 +148,8 @@ class Checkpointer:
             self.barrier()
             state = {name: _engine_state(e) for name, e in engines.items()}
             with single_process_quiet():
-                dcp.save(state, checkpoint_id=str(tmp / "dcp"), no_dist=not dist.is_initialized())
+                dcp.save(state, checkpoint_id=str(tmp / "dcp"), no_dist=not dist.is_initialized(),
+                         process_group=self.process_group)
             (tmp / "rng").mkdir(exist_ok=True)
             torch.save(rng_state(), tmp / "rng" / f"rank{self.rank}.pt")
             if self.rank == 0:
@@ -217,7 +222,8 @@ class Checkpointer:
         state = {name: _engine_state(e) for name, e in engines.items()}
         try:
             with single_process_quiet():
-                dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=not dist.is_initialized())
+                dcp.load(state, checkpoint_id=str(path / "dcp"), no_dist=not dist.is_initialized(),
+                         process_group=self.process_group)
         except LOAD_ERRORS as err:
             raise CheckpointError(f"checkpoint {path}: cannot load the model/optimizer state in "
                                   f"dcp/ ({first_line(err)})") from err

@@ -28,10 +28,10 @@ from dagrl.engines.models import (
     check_model_dir,
     package_dir,
 )
+from dagrl.engines.tiny_reward_model import NAME as TINY_RM
 from dagrl.registry import UnknownNameError
 from dagrl.rewards.custom import load_function
 from dagrl.rewards.scorers import SCORERS
-from dagrl.rewards.tiny_reward_model import NAME as TINY_RM
 from dagrl.roles.plan import plan_for
 from dagrl.runtime.checkpoint import resolve_resume
 from dagrl.runtime.preflight import PREFLIGHT_ROWS, check_model_parallel

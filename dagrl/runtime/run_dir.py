@@ -16,8 +16,8 @@ from dagrl.config.loader import dump_yaml
 from dagrl.config.schema import Config
 from dagrl.data.makers import MAKERS
 from dagrl.engines.models import BUILTIN_PREFIX, resolve_builtin_model
-from dagrl.rewards.tiny_reward_model import NAME as TINY_RM
-from dagrl.rewards.tiny_reward_model import write_tiny_digit_rm
+from dagrl.engines.tiny_reward_model import NAME as TINY_RM
+from dagrl.engines.tiny_reward_model import write_tiny_digit_rm
 
 
 def resolve_run_dir(cfg: Config) -> Path:
@@ -35,7 +35,7 @@ def with_run_dir(cfg: Config, run_dir: Path | str) -> Config:
 
 def resolve_builtin_reward_model(path: str, out_root: Path, *, seed: int) -> str:
     """`builtin:tiny-digit-rm` -> the tiny reward model trained and written under `out_root`
-    (dagrl/rewards/tiny_reward_model.py); other paths pass through."""
+    (dagrl/engines/tiny_reward_model.py); other paths pass through."""
     if not path.startswith(BUILTIN_PREFIX):
         return path
     if path != BUILTIN_PREFIX + TINY_RM:

@@ -94,7 +94,7 @@ def write_tiny_digit_rm(out_dir: str | Path, *, seed: int = 0) -> Path:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "TRAINING.txt").write_text(
-            f"{NAME}: trained in code (dagrl/rewards/tiny_reward_model.py), seed {seed}; "
+            f"{NAME}: trained in code (dagrl/engines/tiny_reward_model.py), seed {seed}; "
             f"held-out mean absolute error {error:.4f} on the digit share in [0, 1]\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)
