@@ -1,7 +1,7 @@
 """`dagrl bench dataplane`: our direct reshard vs a single-controller (verl-style) emulation.
 
     dagrl bench dataplane [--workers 2,4,8] [--sizes 16,64,256] [--per-worker-mib 32]
-                          [--repeats 3] [--seed 0] [--json PATH]
+                          [--repeats 3] [--rounds 3] [--seed 0] [--json PATH]
     python -m benchmarks.dataplane [same options]
 
 For every worker count W and total step size (MiB of tensor data summed over workers), W
@@ -17,6 +17,11 @@ Both use the same torch.distributed gloo transport and pack/unpack, so the compa
 the architecture. A fixed-per-worker sweep (`--per-worker-mib` at each W) checks that our
 per-process peak memory does not grow with W. Every move is verified (counts, order, uids,
 data sources and a tensor checksum per receiver) and the run aborts if one is wrong.
+
+On a busy machine a launch can land in a slow stretch, so every point runs `--rounds` times,
+ours and single back to back in each round (the order swapped every other round): speedup is
+the median of the rounds' ratios (each taken between two launches seconds apart), and the
+rounds' ratios are printed beside it; times are the medians over rounds.
 
 Columns: *_s wall seconds of the move (median over repeats of the slowest rank); *_peak_mib
 peak RSS increase during the move (max over repeats; ours: the largest rank, single: the
@@ -322,6 +327,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--per-worker-mib", type=float, default=32.0,
                    help="fixed-per-worker sweep: MiB per worker at each W (0 turns it off)")
     p.add_argument("--repeats", type=int, default=3, help="timed moves per launch (median)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="launch pairs per point, order alternating (median ratio)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH", help="also write the rows and verdicts as JSON")
     return p.parse_args(argv)
@@ -346,25 +353,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     for (w, n), sweeps in sorted(points.items()):
         print(f"[dataplane] W={w}, {n * w * SAMPLE_BYTES / MIB:.0f} MiB/step ...",
               file=sys.stderr, flush=True)
-        ours = run_once("ours", w, n, args.repeats, args.seed)
-        single = run_once("single", w, n, args.repeats, args.seed)
-        rows.append({
-            "workers": w, "mib_per_step": round(ours["mib"], 2),
-            "mib_per_worker": round(ours["mib"] / w, 2), "sweep": "+".join(sorted(sweeps)),
-            "ours_s": ours["seconds"], "single_s": single["seconds"],
-            "speedup": single["seconds"] / ours["seconds"],
-            "ours_cpu_s": ours["cpu_seconds"], "single_cpu_s": single["cpu_seconds"],
-            "cpu_speedup": single["cpu_seconds"] / ours["cpu_seconds"],
-            "ours_peak_mib": ours["peak_mib"], "coordinator_peak_mib": single["peak_mib"],
-            "mem_ratio": single["peak_mib"] / max(ours["peak_mib"], 1e-9), "verified": True})
+        rows.append(measure_point(w, n, sweeps, args))
     cols = ["workers", "mib_per_step", "mib_per_worker", "ours_s", "single_s", "speedup",
-            "ours_peak_mib", "coordinator_peak_mib", "mem_ratio", "cpu_speedup", "sweep"]
+            "ours_peak_mib", "coordinator_peak_mib", "mem_ratio", "cpu_speedup", "sweep",
+            "round_ratios"]
     table = [cols] + [[r[c] if isinstance(r[c], (int, str)) else _fmt(r[c]) for c in cols]
                       for r in rows]
     widths = [max(len(str(line[i])) for line in table) for i in range(len(cols))]
     for line in table:
         print("  ".join(str(v).rjust(wd) for v, wd in zip(line, widths, strict=True)))
     print("all moves verified: every rank received exactly its samples (count, order, checksum)")
+    print(f"speedup = median over {args.rounds} round(s) of single_s / ours_s, the two launched "
+          f"back to back (load average {os.getloadavg()[0]:.1f} now)")
+    for sweep in ("total", "per-worker"):
+        pts = [r for r in rows if sweep in r["sweep"]]
+        if sweep == "total":   # the largest step size, at each W
+            pts = [max((r for r in pts if r["workers"] == w), key=lambda r: r["mib_per_step"])
+                   for w in sorted({r["workers"] for r in pts})]
+        if len(pts) >= 2:
+            print(f"single-controller coordinator peak vs workers ({sweep} sweep): "
+                  + ", ".join(f"W={r['workers']} {r['coordinator_peak_mib']:.0f} MiB "
+                              f"({r['mib_per_step']:.0f} MiB/step)" for r in pts)
+                  + "; ours per process: "
+                  + ", ".join(f"{r['ours_peak_mib']:.0f}" for r in pts) + " MiB")
     print(f"cpu_speedup = coordinator CPU s / our busiest rank's CPU s: the speedup with a core "
           f"per worker ({os.cpu_count()} cores here)")
     targets = verdicts(rows, args)
@@ -374,6 +385,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"rows": rows, "targets": targets}, f, indent=2)
     return 0
+
+
+def measure_point(w: int, n: int, sweeps: set[str], args: argparse.Namespace) -> dict:
+    """`args.rounds` pairs of launches (ours and single back to back, order alternating)."""
+    runs: dict[str, list[dict]] = {"ours": [], "single": []}
+    for r in range(args.rounds):
+        for method in (("ours", "single") if r % 2 == 0 else ("single", "ours")):
+            runs[method].append(run_once(method, w, n, args.repeats, args.seed))
+    ratios = [s["seconds"] / o["seconds"] for o, s in zip(runs["ours"], runs["single"],
+                                                          strict=True)]
+    cpu = [s["cpu_seconds"] / o["cpu_seconds"] for o, s in zip(runs["ours"], runs["single"],
+                                                              strict=True)]
+    med = lambda method, key: statistics.median(x[key] for x in runs[method])  # noqa: E731
+    ours_peak = max(x["peak_mib"] for x in runs["ours"])
+    single_peak = max(x["peak_mib"] for x in runs["single"])
+    return {
+        "workers": w, "mib_per_step": round(runs["ours"][0]["mib"], 2),
+        "mib_per_worker": round(runs["ours"][0]["mib"] / w, 2), "sweep": "+".join(sorted(sweeps)),
+        "ours_s": med("ours", "seconds"), "single_s": med("single", "seconds"),
+        "speedup": statistics.median(ratios), "round_ratios": ",".join(f"{x:.2f}" for x in ratios),
+        "ours_cpu_s": med("ours", "cpu_seconds"), "single_cpu_s": med("single", "cpu_seconds"),
+        "cpu_speedup": statistics.median(cpu),
+        "ours_peak_mib": ours_peak, "coordinator_peak_mib": single_peak,
+        "mem_ratio": single_peak / max(ours_peak, 1e-9), "verified": True}
 
 
 def verdicts(rows: list[dict], args: argparse.Namespace) -> dict:

@@ -13,6 +13,7 @@
     dagrl bench e2e                             # our GRPO step loop vs TRL's GRPOTrainer
     dagrl bench memory                          # peak RSS of each memory setting, one run
     dagrl bench async                           # sync vs async training on the same 2 workers
+    dagrl bench scale [--calibrate] [--quick]   # weak-scaling model, dagrl vs single controller
 """
 
 from __future__ import annotations
@@ -119,7 +120,7 @@ def data_main(argv: Sequence[str]) -> int:
     return 0
 
 
-BENCHMARKS = ("dataplane", "learning", "rollout", "e2e", "memory", "async")
+BENCHMARKS = ("dataplane", "learning", "rollout", "e2e", "memory", "async", "scale")
 
 
 def bench_main(argv: Sequence[str]) -> int:

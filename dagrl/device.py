@@ -25,6 +25,8 @@ HOST_BACKEND = "gloo"
 BACKENDS = {HOST: HOST_BACKEND, "cuda": "nccl", "npu": "hccl"}
 # The Ray resource a node registers for each accelerator (Ascend nodes register "NPU").
 RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU"}
+# The variable that lists the accelerators a process may use (Ray sets it for each actor).
+VISIBLE_DEVICES_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE_DEVICES"}
 
 
 def npu_available() -> bool:
@@ -142,6 +144,28 @@ def set_rng_state(state: dict) -> None:
             getattr(torch, kind).set_rng_state(state[kind])
 
 
+def ray_resource(kind: str) -> str | None:
+    """The Ray resource a worker of this device type reserves ("GPU", "NPU"); None on the host."""
+    return RAY_RESOURCE.get(kind)
+
+
+def visible_devices_env(kind: str) -> str | None:
+    """The variable through which Ray hands a worker its accelerators (None on the host)."""
+    return VISIBLE_DEVICES_ENV.get(kind)
+
+
+def ray_device_type(preference: str, cluster_resources: dict[str, float]) -> str:
+    """The device type of a Ray run, decided by the driver. A configured type is taken as is
+    (each worker checks it has one); "auto" is the accelerator the *cluster* offers, not the
+    driver's own: a driver on a CPU-only head node still runs its workers on the GPU nodes."""
+    if preference != "auto":
+        return preference
+    for kind, resource in RAY_RESOURCE.items():   # CUDA first, as in device_type
+        if cluster_resources.get(resource, 0) > 0:
+            return kind
+    return HOST
+
+
 def ray_bundle(kind: str) -> dict[str, float]:
     """The Ray placement-group bundle of one worker: a CPU, plus its accelerator."""
     bundle = {"CPU": 1.0}
@@ -151,13 +175,42 @@ def ray_bundle(kind: str) -> dict[str, float]:
 
 
 def ray_actor_options(kind: str) -> dict:
-    """Resource options of one worker actor (`num_gpus` for CUDA so Ray sets the visible
-    devices; a custom resource for NPUs)."""
+    """Resource options of one worker actor. Ray assigns the accelerator and names it in the
+    actor's visible-devices variable: `num_gpus` for CUDA, the "NPU" resource for Ascend (Ray's
+    NPU accelerator manager sets ASCEND_RT_VISIBLE_DEVICES)."""
     if kind == "cuda":
         return {"num_cpus": 1, "num_gpus": 1}
     if kind in RAY_RESOURCE:
         return {"num_cpus": 1, "resources": {RAY_RESOURCE[kind]: 1}}
     return {"num_cpus": 1}
+
+
+def ray_worker_envs(kind: str, placements: list[tuple[str, list[str]]]) -> list[dict[str, str]]:
+    """The device environment of each Ray worker, from where Ray placed it: `placements[rank]`
+    is (node id, the accelerator ids Ray assigned to that rank).
+
+    As under torchrun, LOCAL_RANK is the worker's index among the run's workers on its node (in
+    rank order) and LOCAL_WORLD_SIZE their number. Ray shows each actor only its own
+    accelerator; the workers of a node are shown all of the node's accelerators of this run
+    instead, in local-rank order, so device index LOCAL_RANK is the worker's own accelerator
+    (what `worker_device` and vLLM's external launcher pick) and peers on the node are visible
+    to the collective library (NCCL/HCCL use NVLink/HCCS between visible devices).
+    """
+    var = visible_devices_env(kind)
+    by_node: dict[str, list[int]] = {}
+    for rank, (node, _) in enumerate(placements):
+        by_node.setdefault(node, []).append(rank)
+    envs = []
+    for rank, (node, ids) in enumerate(placements):
+        local = by_node[node]
+        env = {"LOCAL_RANK": str(local.index(rank)), "LOCAL_WORLD_SIZE": str(len(local))}
+        if var is not None:
+            if len(ids) != 1:
+                raise RuntimeError(f"rank {rank}: Ray assigned {len(ids)} {RAY_RESOURCE[kind]} "
+                                   f"devices ({ids}); a worker needs exactly one")
+            env[var] = ",".join(placements[r][1][0] for r in local)
+        envs.append(env)
+    return envs
 
 
 def native_bf16_matmul(device: torch.device) -> bool:

@@ -42,6 +42,9 @@ def test_each_setting_moves_its_line():
     assert 0 < lora["rollout weights"] < p                  # the adapted linears only
     two = _lines("rollout.backend=native", "trainer.n_workers=2")
     assert two["actor weights"] == p // 2 and two["rollout weights"] == 2 * two["actor weights"]
+    # HSDP: sharded over a group of 2 of the 4 workers, so each holds half, not a quarter
+    hsdp = _lines("rollout.backend=native", "trainer.n_workers=4", "trainer.fsdp_shard_size=2")
+    assert hsdp["actor weights"] == p // 2 and hsdp["AdamW state"] == 2 * (p // 2)
     ckpt = _lines("actor.activation_checkpointing=true")
     assert ckpt["activations"] < base["activations"]
     assert _lines("actor.logits_chunk_tokens=16")["logits"] < _lines(

@@ -423,6 +423,21 @@ class TrainerConfig:
     # Ray launcher: when a worker dies, restart all workers from the last checkpoint this many
     # times before giving up.
     max_restarts: int = 0
+    # Ray launcher: how Ray spreads the workers' bundles over nodes (Ray's placement-group
+    # strategies: PACK fills nodes one by one, SPREAD spreads them, STRICT_* insist).
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    # Ray launcher: the longest wait for the cluster to offer every worker's CPU and accelerator
+    # before the run stops with an error naming what is missing (an autoscaling cluster may
+    # need minutes to add nodes).
+    placement_timeout_s: float = 300.0
+    # FSDP2 shard group: 0 shards every model over all workers; k > 0 (HSDP) shards it over
+    # groups of k consecutive ranks (a node's devices) and replicates it across the groups, so
+    # the per-layer all-gathers and reduce-scatters stay inside a node and only a gradient
+    # all-reduce of each rank's shard crosses nodes (verl's fsdp_size). n_workers must be a
+    # multiple of k. The numbers of a run do not change; docs/scaling.md shows what it buys.
+    # Not combined with actor.tensor_parallel_size / sequence_parallel_size > 1 or with
+    # mode=async (refused).
+    fsdp_shard_size: int = 0
     # sync: every rank runs the whole graph each step. async: rollout and reward nodes run on
     # one subset of the workers, the rest of the graph on the others, as two loops that meet in
     # a buffer (rollout.max_staleness, rollout.partial; docs/async.md).
@@ -430,6 +445,8 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         _check(self.total_steps > 0, "total_steps must be > 0")
+        _check(self.fsdp_shard_size >= 0, "fsdp_shard_size must be >= 0 (0: all workers)")
+        _check(self.placement_timeout_s > 0, "placement_timeout_s must be > 0")
         _check(self.n_workers > 0, "n_workers must be > 0")
         _check(self.torch_threads >= 0, "torch_threads must be >= 0")
         _check(self.val_every >= 0, "val_every must be >= 0 (0 disables validation)")
@@ -508,10 +525,21 @@ class Config:
                f"actor.mini_batch_size ({self.actor.mini_batch_size}) must divide "
                f"data.train_batch_size ({self.data.train_batch_size})")
         a, workers = self.actor, self.trainer.n_workers
+        shard_size = self.trainer.fsdp_shard_size
+        _check(not shard_size or workers % shard_size == 0,
+               f"trainer.fsdp_shard_size ({shard_size}) must divide "
+               f"trainer.n_workers ({workers})")
         _check(workers % a.model_parallel_size == 0,
                f"actor.tensor_parallel_size ({a.tensor_parallel_size}) x "
                f"actor.sequence_parallel_size ({a.sequence_parallel_size}) must divide "
                f"trainer.n_workers ({workers})")
+        # HSDP's (replicate, shard) mesh is built for FSDP2 alone; the dp x sp x tp training
+        # mesh (engines/mesh.py) shards over all dp x sp ranks.
+        _check(not (0 < shard_size < workers) or a.model_parallel_size == 1,
+               f"trainer.fsdp_shard_size ({shard_size}) < trainer.n_workers ({workers}) (HSDP) "
+               f"with actor.tensor_parallel_size ({a.tensor_parallel_size}) / "
+               f"actor.sequence_parallel_size ({a.sequence_parallel_size}) > 1 is not "
+               "supported; set trainer.fsdp_shard_size=0 or both sizes to 1")
         _check(self.actor.mini_batch_size % workers == 0,
                f"actor.mini_batch_size ({self.actor.mini_batch_size}) must be divisible by "
                f"trainer.n_workers ({workers})")
@@ -617,6 +645,10 @@ def _check_async(cfg: Config) -> None:
            f"actor.sequence_parallel_size ({a.sequence_parallel_size}) > 1 is not supported "
            "yet (the trainer ranks shard over one 1-D group); set both to 1 or "
            "trainer.mode=sync")
+    _check(not 0 < t.fsdp_shard_size < t.n_workers,
+           f"trainer.mode=async with trainer.fsdp_shard_size ({t.fsdp_shard_size}) < "
+           f"trainer.n_workers ({t.n_workers}) (HSDP) is not supported yet (the trainer ranks "
+           "shard over one 1-D group); set trainer.fsdp_shard_size=0 or trainer.mode=sync")
     _check(not cfg.models,
            f"trainer.mode=async with `models` ({', '.join(sorted(cfg.models))}) is not "
            "supported yet (extra policies are sharded over every rank); drop `models` or set "

@@ -1,6 +1,7 @@
 """The models and services one worker hosts, built only for the roles its plan runs.
 
-Actor and reference are FSDP2-sharded over all workers (under LoRA the reference is the
+Actor and reference are FSDP2-sharded over all workers, or (HSDP, trainer.fsdp_shard_size)
+over groups of workers and replicated across them (under LoRA the reference is the
 actor's own model with its adapters off, engines/lora.py); with tensor / sequence
 parallelism they and the critic share one dp x sp x tp mesh (engines/mesh.py). The rollout
 engine holds a full, unsharded copy on each worker (generation needs every weight at every
@@ -112,7 +113,10 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
     def shard(model: torch.nn.Module) -> torch.nn.Module:
         if mesh is not None:
             return parallelize_model(model, mesh)
-        return shard_model(model, world_size, device.type, group=shard_group)
+        # FSDP2 over all workers (or the async trainer ranks), or HSDP over groups of
+        # trainer.fsdp_shard_size (tp = sp = 1, sync only)
+        return shard_model(model, world_size, device.type, cfg.trainer.fsdp_shard_size,
+                           group=shard_group)
 
     if tokenizer is None:
         tokenizer = load_tokenizer(m.path, m.gguf_file)
@@ -199,11 +203,11 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
         engines.reward_manager = RewardManager(on_error=r.on_error, custom_fn=r.custom_fn,
                                                error_score=r.error_score, scorer=r.scorer,
                                                num_workers=r.num_workers, timeout_s=r.timeout_s)
-    if "reward_model" in needed:   # FSDP2-sharded over the workers (no tp/sp), never trained
+    if "reward_model" in needed:   # FSDP2 / HSDP over the workers (no tp/sp), never trained
         rm = cfg.reward_model
         engines.reward_model = RewardModelEngine(
             shard_model(load_reward_model(rm.path, rm.dtype, device, m.attn_implementation),
-                        world_size, device.type),
+                        world_size, device.type, cfg.trainer.fsdp_shard_size),
             load_tokenizer(rm.path), micro_batch_size=rm.micro_batch_size,
             max_length=rm.max_length, device=device)
     if "judge" in needed:   # a whole copy per rank, like the rollout engine

@@ -3,8 +3,9 @@ and the run's config before anything loads, so a run that cannot fit is changed 
 starts (the run report then sets the estimate beside the measured peak).
 
 With P parameters (b bytes each), T of them trained (all, or the LoRA adapters), W workers
-(FSDP2 shards everything trained over all of them), one worker's R rollout rows and M samples
-per micro-batch of S = prompt + response tokens:
+(FSDP2 shards everything trained over all of them; under HSDP, trainer.fsdp_shard_size = k,
+W below stands for k: each group of k ranks holds a whole copy), one worker's R rollout rows
+and M samples per micro-batch of S = prompt + response tokens:
 
     actor weights      P b / W
     gradients          T b / W                 (freed after each optimizer step)
@@ -142,19 +143,24 @@ def estimate_memory(cfg: Config, shape: ModelShape, *, has_ref: bool = True) -> 
     w = cfg.trainer.n_workers
     a = cfg.actor
     tp, sp = (a.tensor_parallel_size, a.sequence_parallel_size) if w > 1 else (1, 1)
+    # Ranks a model is sharded over: all W, or (HSDP, tp = sp = 1 only) its group of
+    # trainer.fsdp_shard_size, each group holding a whole copy.
+    s = cfg.trainer.fsdp_shard_size or w
     lora = cfg.actor.lora.rank
     p = shape.params
     trained = shape.lora_params(lora) if lora else p
     rep = shape.replicated_params(tp)
 
     def per_rank(count: int, nbytes: int = b) -> int:
-        """Bytes per rank of `count` parameters: FSDP2 over all W ranks, the ones tp
-        replicates (when `count` is the whole model) over dp x sp only."""
+        """Bytes per rank of `count` parameters: FSDP2 over the s ranks of a shard group (all
+        W without HSDP), the ones tp replicates (when `count` is the whole model) over dp x sp
+        only."""
         held = count + rep * (tp - 1) if count == p else count
-        return held * nbytes // w
+        return held * nbytes // s
 
-    mesh = (f" / {w} workers (FSDP2)" if w > 1 and tp * sp == 1 else
-            f" over {w // (tp * sp)} dp x {sp} sp x {tp} tp" if w > 1 else "")
+    mesh = (f" / {s} workers (FSDP2{' group' if s < w else ''})" if s > 1 and tp * sp == 1
+            else f" over {w // (tp * sp)} dp x {sp} sp x {tp} tp" if w > 1 and tp * sp > 1
+            else "")
     lines = [MemoryLine("actor weights", per_rank(p), f"{p / 1e6:.1f}M params" + mesh)]
     lines.append(MemoryLine("gradients", per_rank(trained),
                             f"{trained / 1e6:.2f}M trained" + (" (LoRA)" if lora else ""),
@@ -166,7 +172,7 @@ def estimate_memory(cfg: Config, shape: ModelShape, *, has_ref: bool = True) -> 
     ref = per_rank(p) if has_ref and not lora else 0
     if ref and mixed:   # the linears in bfloat16 (engines/precision.py), the rest in b bytes
         linears = shape.linear_params + (0 if shape.tied else shape.vocab * shape.hidden)
-        ref = ((p - linears) * b + linears * 2 + rep * (tp - 1) * b) // w
+        ref = ((p - linears) * b + linears * 2 + rep * (tp - 1) * b) // s
         ref_note = "linears in bfloat16"
     lines.append(MemoryLine("reference weights", ref, ref_note))
     backend = cfg.rollout.backend

@@ -45,21 +45,37 @@ def checkpoint_activations(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def shard_model(model: torch.nn.Module, world_size: int, device_type: str,
+                shard_size: int = 0,
                 group: dist.ProcessGroup | None = None) -> torch.nn.Module:
     """Shard `model` in place over all `world_size` ranks, or over the ranks of `group`
-    (trainer.mode=async: the trainer ranks); a no-op for one rank."""
+    (trainer.mode=async: the trainer ranks; `world_size` is then their number); a no-op for
+    one rank. With 0 < `shard_size` < `world_size` (all ranks only), over groups of
+    `shard_size` consecutive ranks and replicated across the groups (HSDP: a 2-D mesh,
+    replicas x shard; FSDP2 reduce-scatters gradients in a group, then all-reduces each shard
+    across the groups)."""
     if world_size == 1:
         return model
-    mesh = (DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp",))
-            if group is not None else
-            init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",)))
+    if 0 < shard_size < world_size:
+        if group is not None:   # the config refuses it (trainer.mode=async)
+            raise ValueError("trainer.fsdp_shard_size (HSDP) over a subgroup of the ranks "
+                             "(trainer.mode=async) is not supported")
+        if world_size % shard_size:
+            raise ValueError(f"trainer.fsdp_shard_size={shard_size} does not divide "
+                             f"{world_size} ranks")
+        mesh = init_device_mesh(device_type, (world_size // shard_size, shard_size),
+                                mesh_dim_names=("replicate", "shard"))
+    elif group is not None:
+        mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp",))
+    else:
+        mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
     return fully_shard_layers(model, mesh)
 
 
 def fully_shard_layers(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
-    """FSDP2 over the 1-D `mesh`: each decoder layer a unit, then the root (in place). On
-    parameters already split by tensor parallelism it shards their local slices (a 2-D
-    layout)."""
+    """FSDP2 over `mesh`: each decoder layer a unit, then the root (in place). A 1-D mesh
+    shards over all its ranks; HSDP's 2-D (replicate, shard) mesh shards over the second
+    dimension and replicates over the first. On parameters already split by tensor
+    parallelism (1-D mesh only) it shards their local slices (a 2-D layout)."""
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

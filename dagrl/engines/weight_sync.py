@@ -10,7 +10,9 @@ each dimension's group per bucket, never per parameter):
     2. over the tp group (tensor-parallel parameters only): the slices -> the whole parameter
 
 then each full parameter is cut out of the gathered buffer. Parameters a layout replicates over
-tp (norms, KV heads fewer than ranks) are gathered over dp alone, in their own buckets. At most
+tp (norms, KV heads fewer than ranks) are gathered over dp alone, in their own buckets. Under
+HSDP (trainer.fsdp_shard_size, tp = sp = 1) the FSDP group of step 1 is the rank's shard group:
+each group holds a whole copy, so nothing is gathered across the groups. At most
 one bucket's gathered buffers are alive at a time, and each full tensor only until its consumer
 (the rollout engine's in-place copy) has taken it. A rank receives each byte of the model it
 lacks once, plus the padding of uneven shards (at most one bucket's worth).
@@ -40,14 +42,17 @@ def shard_rows(rows: int, world: int) -> list[int]:
 
 def _layout(p: torch.Tensor) -> tuple | None:
     """How a parameter is split: None for a plain (whole) tensor; ("dp",) for FSDP2 alone;
-    ("dp", "tp", dim) for FSDP2 over a tp slice on `dim`; ("dp", "rep") for FSDP2 over a
-    parameter tp replicates; ("other",) for anything else (gathered alone)."""
+    ("hsdp",) for HSDP (replicated over the first dim of a (replicate, shard) mesh, FSDP2 rows
+    over the second); ("dp", "tp", dim) for FSDP2 over a tp slice on `dim`; ("dp", "rep") for
+    FSDP2 over a parameter tp replicates; ("other",) for anything else (gathered alone)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
     if not hasattr(p, "placements"):
         return None
     placements = tuple(p.placements)
+    if p.dim() > 0 and placements == (Replicate(), Shard(0)):
+        return ("hsdp",)
     dp_rows = placements and (placements[0] == Shard(0) or (
         isinstance(placements[0], _StridedShard) and placements[0].dim == 0))
     if p.dim() == 0 or not dp_rows:
@@ -81,9 +86,12 @@ def gather_full_weights(model: torch.nn.Module,
     """(name, full tensor) for every parameter of `model`: whole ones first, then bucket by
     bucket (tensor-parallel and replicated parameters in separate buckets, each in
     `named_parameters` order). A collective over the model's mesh: every rank must consume
-    the iterator."""
+    the iterator. Under HSDP each shard group holds a whole copy: the gathers stay inside the
+    rank's group, never across the replicas."""
     params = list(model.named_parameters())
-    kinds: dict[bool, list[tuple[str, torch.Tensor]]] = {False: [], True: []}
+    # Bucket kinds: "dp" (FSDP2 rows over mesh dim 0), "hsdp" (rows over mesh dim 1, the
+    # shard group), "tp" (rows over dim 0 of a tp slice, then the slices over dim 1).
+    kinds: dict[str, list[tuple[str, torch.Tensor]]] = {"dp": [], "hsdp": [], "tp": []}
     for name, p in params:
         layout = _layout(p)
         if layout is None:
@@ -91,10 +99,10 @@ def gather_full_weights(model: torch.nn.Module,
         elif layout == ("other",):
             yield name, p.full_tensor()
         else:
-            kinds["tp" in layout].append((name, p))
-    for tensor_parallel in (False, True):
-        for bucket in _buckets(kinds[tensor_parallel], bucket_bytes):
-            yield from _gather_bucket(bucket, tensor_parallel)
+            kinds["tp" if "tp" in layout else layout[0]].append((name, p))
+    for kind, members in kinds.items():
+        for bucket in _buckets(members, bucket_bytes):
+            yield from _gather_bucket(bucket, kind == "tp")
 
 
 def _gather_flat(pieces: list[torch.Tensor], counts: list[list[int]],
@@ -123,7 +131,9 @@ def _gather_flat(pieces: list[torch.Tensor], counts: list[list[int]],
 def _gather_bucket(bucket: list[tuple[str, torch.Tensor]],
                    tensor_parallel: bool) -> Iterator[tuple[str, torch.Tensor]]:
     mesh = bucket[0][1].device_mesh
-    dp_group = mesh.get_group(0)
+    # The ranks FSDP2 shards the rows over: mesh dim 0, or under HSDP the shard group (dim 1;
+    # each group holds a whole copy, so the gather never leaves it).
+    dp_group = mesh.get_group(1 if _layout(bucket[0][1]) == ("hsdp",) else 0)
     dp, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
     tp, tp_rank = (mesh.size(1), mesh.get_local_rank(1)) if tensor_parallel else (1, 0)
     # The tp slice each parameter's FSDP shards cut up: its shape on every tp rank.

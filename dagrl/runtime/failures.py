@@ -49,11 +49,12 @@ def user_error_types() -> tuple[type[BaseException], ...]:
     from dagrl.rewards.manager import RewardError
     from dagrl.rollout.server import ServerError
     from dagrl.runtime.checkpoint import CheckpointError
+    from dagrl.runtime.placement import PlacementError
     from dagrl.runtime.run_dir import RunDirError
 
     return (ConfigError, GraphError, DatasetError, TokenizerError, MissingExtraError,
             UnknownNameError, RewardError, ServerError, CheckpointError, RunDirError,
-            FileNotFoundError, FloatingPointError)
+            PlacementError, FileNotFoundError, FloatingPointError)
 
 
 def one_line(text: str) -> str:

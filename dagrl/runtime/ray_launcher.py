@@ -1,31 +1,32 @@
 """Start N workers as Ray actors, one per placement-group bundle (one device each).
 
-The driver holds no sample data: it reserves the bundles, starts the actors, tells them where
-rank 0 listens, and waits. A worker does not raise into Ray: it returns a `Failure` record (so
-Ray prints no remote traceback), and the driver raises `WorkerFailed` with the first failing
-rank's record; the other workers are stopped. With `trainer.max_restarts` > 0 a failure that is
-not a user error (a worker killed, a crash) restarts all workers from the newest checkpoint
-(`trainer.resume=auto`); a user error would only fail again. Each worker watches the driver
-(runtime/watchdog.py) and stops at once if it dies. `RAY_ADDRESS` set: join that cluster;
-otherwise start a local Ray instance (runtime/ray_session.py).
+The driver holds no sample data: it reserves the bundles (at most
+`trainer.placement_timeout_s`, then an error naming the missing resources), starts the actors,
+gives each its environment from where Ray placed it (runtime/ray_worker.py: rank, LOCAL_RANK per
+node, visible devices) and waits. A worker does not raise into Ray: it returns a `Failure`
+record (so Ray prints no remote traceback), and the driver raises `WorkerFailed` with the first
+failing rank's record; the other workers are stopped. With `trainer.max_restarts` > 0 a
+failure that is not a user error (a worker killed, a crash) restarts all workers from the
+newest checkpoint (`trainer.resume=auto`); a user error would only fail again. Each worker
+watches the driver (runtime/watchdog.py) and stops at once if it dies. `RAY_ADDRESS` set: join
+that cluster; otherwise start a local Ray instance (runtime/ray_session.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import time
 from pathlib import Path
 
-from dagrl.config.loader import from_dict, to_dict
+from dagrl.config.loader import to_dict
 from dagrl.config.schema import Config
-from dagrl.device import device_type, ray_actor_options, ray_bundle
+from dagrl.device import ray_device_type
 from dagrl.runtime.checkpoint import latest_checkpoint
 from dagrl.runtime.failures import Failure, log_failure, one_line
-from dagrl.runtime.process import WorkerState, run_worker_from_env
 from dagrl.runtime.ray_session import ray_session
-from dagrl.runtime.watchdog import ORPHANED_EXIT, DriverBeacon, orphaned, watch_driver
+from dagrl.runtime.ray_worker import start_workers
+from dagrl.runtime.watchdog import DriverBeacon
 
 # After a failure that may be a consequence (a peer's socket closed), how long to wait for the
 # record of the rank that failed first, or for Ray to report a worker process dead.
@@ -39,38 +40,6 @@ class WorkerFailed(RuntimeError):
         self.failure = failure
         super().__init__(f"worker rank {failure.rank} failed: {failure.kind}: "
                          f"{one_line(failure.message)}")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-class _RayWorker:
-    """The actor: environment for torch.distributed, then the common worker body."""
-
-    def address(self) -> tuple[str, int]:
-        import ray
-
-        return ray.util.get_node_ip_address(), _free_port()
-
-    def run(self, cfg_dict: dict, rank: int, world: int, master: tuple[str, int],
-            beacon: tuple[str, int]) -> tuple[str, object]:
-        state = WorkerState(rank)
-        try:
-            watch_driver(beacon)
-            # Ray gives each actor its own device (visible devices), so it is local rank 0.
-            os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK="0",
-                              MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
-            return "ok", run_worker_from_env(from_dict(Config, cfg_dict), state=state)
-        except BaseException as err:   # noqa: BLE001 — returned to the driver, who reports it
-            if orphaned():   # the driver is gone (the watchdog is ending this process)
-                os._exit(ORPHANED_EXIT)
-            failure = Failure.of(err, rank, first=state.first)
-            failure.cause_rank = state.cause_rank
-            log_failure(state.run_dir, failure)
-            return "failed", failure
 
 
 def launch_ray(cfg: Config) -> list[dict[str, float]]:
@@ -122,25 +91,23 @@ def _run_workers(cfg: Config) -> list[dict[str, float]]:
     """One attempt: a placement group, one actor per rank, wait for all; WorkerFailed if any
     fails or dies (the others are killed: they would wait forever on the failed one)."""
     import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    n = cfg.trainer.n_workers
-    kind = device_type(cfg.trainer.device)
+    t = cfg.trainer
+    n = t.n_workers
+    # The cluster's accelerator, not the driver's: the driver may sit on a CPU-only head node.
+    kind = ray_device_type(t.device, ray.cluster_resources())
     host = ray.util.get_node_ip_address() if os.environ.get("RAY_ADDRESS") else "127.0.0.1"
     beacon = DriverBeacon(host)
-    pg = placement_group([ray_bundle(kind) for _ in range(n)], strategy="PACK")
-    ray.get(pg.ready())
-    actor_cls = ray.remote(_RayWorker)
-    actors = [actor_cls.options(
-        **ray_actor_options(kind), max_restarts=0,
-        scheduling_strategy=PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=i)).remote() for i in range(n)]
     try:
-        master = ray.get(actors[0].address.remote())
+        workers = start_workers(kind, n, t.placement_strategy, t.placement_timeout_s)
+    except BaseException:
+        beacon.close()
+        raise
+    print(f"[dagrl] {workers.describe()}", flush=True)
+    try:
         cfg_dict = to_dict(cfg)
-        pending = {actors[r].run.remote(cfg_dict, r, n, master, beacon.address): r
-                   for r in range(n)}
+        cfg_dict["trainer"]["device"] = kind   # every worker uses what the driver reserved
+        pending = {workers.actors[r].run.remote(cfg_dict, beacon.address): r for r in range(n)}
         results: dict[int, list] = {}
         failures: list[Failure] = []
         deadline = None
@@ -153,7 +120,7 @@ def _run_workers(cfg: Config) -> list[dict[str, float]]:
             try:
                 status, value = ray.get(done[0])
             except ray.exceptions.RayActorError as err:   # the process is gone
-                status, value = "failed", _died(rank, err, cfg.trainer.run_dir)
+                status, value = "failed", _died(rank, err, t.run_dir)
             except Exception as err:   # noqa: BLE001 — Ray itself failed the call
                 status, value = "failed", Failure.of(err, rank)
             if status == "ok":
@@ -167,7 +134,5 @@ def _run_workers(cfg: Config) -> list[dict[str, float]]:
             raise WorkerFailed(_cause(failures))
         return results[0]
     finally:
-        for actor in actors:
-            ray.kill(actor)
-        remove_placement_group(pg)
+        workers.stop()
         beacon.close()

@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# GPU smoke test: what CI on CPUs cannot run.
+#
+#   scripts/gpu_smoke.sh            # from the repository root, in dagrl's environment
+#   PYTHON=/path/to/python scripts/gpu_smoke.sh
+#
+# With 2+ CUDA devices: one GRPO training step on 2 processes under torchrun, FSDP2 over NCCL
+# (trainer.device=cuda), checked to write its metrics. With 1+ CUDA device and vLLM installed:
+# one training step with rollout.backend=vllm (the engine in the worker process, weights synced
+# after the update). Each part that cannot run says why and is skipped; with no CUDA device at
+# all the script prints one "skip" line and exits 0. Any part that runs and fails exits 1.
+# Record the result in docs/scaling.md (GPU smoke section) whenever a GPU was available.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python}"
+OUT="$(mktemp -d "${TMPDIR:-/tmp}/dagrl-gpu-smoke-XXXXXX")"
+trap 'rm -rf "$OUT"' EXIT
+
+gpus="$("$PY" -c 'import torch; print(torch.cuda.device_count() if torch.cuda.is_available() else 0)' 2>/dev/null || echo 0)"
+if [[ "$gpus" == "0" ]]; then
+    echo "skip: no CUDA device visible to torch ($("$PY" -c 'import torch; print("torch", torch.__version__)' 2>/dev/null || echo 'torch not importable')); nothing to smoke-test"
+    exit 0
+fi
+"$PY" -c 'import torch; print("cuda devices:", [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())], "torch", torch.__version__, "nccl", torch.cuda.nccl.version())'
+
+# A few seconds per step on any GPU: the built-in tiny model and arithmetic task.
+STEP=(trainer.total_steps=1 trainer.device=cuda logging.progress_bar=false
+      data.train_batch_size=8 actor.mini_batch_size=8 rollout.n=4 rollout.max_new_tokens=8)
+failed=0
+
+check_metrics() {   # $1: run dir, $2: label
+    if [[ -s "$1/metrics.jsonl" ]] && grep -q '"actor/pg_loss"' "$1/metrics.jsonl"; then
+        echo "ok: $2 ($(head -c 300 "$1/metrics.jsonl"))"
+    else
+        echo "FAILED: $2 (no metrics in $1)"; failed=1
+    fi
+}
+
+if (( gpus >= 2 )); then
+    port="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+    if "$PY" -m torch.distributed.run --nproc-per-node 2 --master-port "$port" -m dagrl.train \
+        trainer.n_workers=2 "trainer.run_dir=$OUT/fsdp2" "${STEP[@]}"; then
+        check_metrics "$OUT/fsdp2" "2-process FSDP2 + NCCL training step"
+    else
+        echo "FAILED: 2-process FSDP2 + NCCL training step"; failed=1
+    fi
+else
+    echo "skip: 2-process FSDP2 + NCCL step needs 2 CUDA devices (found $gpus)"
+fi
+
+if "$PY" -c 'import vllm' 2>/dev/null; then
+    if "$PY" -m dagrl.cli train "trainer.run_dir=$OUT/vllm" rollout.backend=vllm \
+        rollout.vllm.gpu_memory_utilization=0.3 model.tiny_hidden_size=128 "${STEP[@]}"; then
+        check_metrics "$OUT/vllm" "vLLM rollout backend, 1 worker"
+    else
+        echo "FAILED: vLLM rollout backend"; failed=1
+    fi
+else
+    echo "skip: vLLM backend: vllm is not installed (pip install -e '.[vllm]')"
+fi
+exit "$failed"
