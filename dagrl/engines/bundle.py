@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,9 +33,16 @@ from dagrl.engines.host_memory import (
     map_large_blocks,
 )
 from dagrl.engines.judge import Judge
-from dagrl.engines.lora import ReferenceView, apply_lora, is_lora, plain_copy
+from dagrl.engines.lora import (
+    ADAPTER_DIR,
+    ReferenceView,
+    apply_lora,
+    is_lora,
+    plain_copy,
+    save_adapter_config,
+)
 from dagrl.engines.mesh import build_train_mesh, parallelize_model
-from dagrl.engines.models import DTYPES, cast_copy, load_model, load_tokenizer
+from dagrl.engines.models import DTYPES, cast_copy, load_model, load_tokenizer, plain_config
 from dagrl.engines.precision import store_linears_in_low_precision
 from dagrl.engines.reward_model import RewardModelEngine, load_reward_model
 from dagrl.engines.sharding import checkpoint_activations, compile_layers, shard_model
@@ -64,6 +72,16 @@ class Engines:
     kl_controller: FixedKLController | AdaptiveKLController | None = None
     log: Callable[[str], None] = field(default=print)
     synced_version: int = 0   # the actor version the rollout engines hold (the same on every rank)
+
+    def write_hf_files(self, out: Path) -> None:
+        """What `dagrl export` needs beside a checkpoint's weights: the actor's model config
+        (without a GGUF quantization_config), its LoRA adapter config, and the tokenizer."""
+        model = self.actor.model if self.actor else None
+        if model is not None:
+            plain_config(model.config).save_pretrained(out)
+            if is_lora(model):
+                save_adapter_config(model, out.parent / ADAPTER_DIR)
+        self.tokenizer.save_pretrained(out)
 
     def sync_rollout_weights(self) -> float:
         """After an update: gather the actor's full weights (collective over the actor's ranks)

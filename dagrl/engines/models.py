@@ -105,11 +105,20 @@ def write_tiny_model(out_dir: str | Path, family: str = "tiny-qwen2", *, hidden_
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config)
+    return write_model_dir(out_dir, model, tokenizer)
+
+
+def write_model_dir(out_dir: Path, model, tokenizer, extra: dict[str, str] | None = None) -> Path:
+    """Save `model` and `tokenizer` (and `extra` text files, by name) as the HF directory
+    `out_dir`, written in a temporary sibling and renamed into place, so a crash never leaves
+    a half-written model that a later run would try to load."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

@@ -14,17 +14,19 @@ built-in tiny policy with GRPO on these scores and no rule reward.
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
-from dagrl.engines.models import CHARACTERS, build_char_tokenizer, tiny_model_config
+from dagrl.engines.models import (
+    CHARACTERS,
+    build_char_tokenizer,
+    tiny_model_config,
+    write_model_dir,
+)
 from dagrl.engines.reward_model import render_pair
 
 NAME = "tiny-digit-rm"
@@ -86,20 +88,7 @@ def train_tiny_digit_rm(*, seed: int = 0, steps: int = 300, batch_size: int = 64
 def write_tiny_digit_rm(out_dir: str | Path, *, seed: int = 0) -> Path:
     """Train the tiny reward model and write it as a HF directory (atomically, like the tiny
     policies: a crash never leaves a half-written model)."""
-    out_dir = Path(out_dir)
     model, tokenizer, error = train_tiny_digit_rm(seed=seed)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "TRAINING.txt").write_text(
-            f"{NAME}: trained in code (dagrl/engines/tiny_reward_model.py), seed {seed}; "
+    note = (f"{NAME}: trained in code (dagrl/engines/tiny_reward_model.py), seed {seed}; "
             f"held-out mean absolute error {error:.4f} on the digit share in [0, 1]\n")
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out_dir
+    return write_model_dir(Path(out_dir), model, tokenizer, {"TRAINING.txt": note})

@@ -34,8 +34,7 @@ from dagrl.dag.planner import Task
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
 from dagrl.device import HOST_BACKEND, is_host
 from dagrl.engines.bundle import build_engines
-from dagrl.engines.lora import ADAPTER_DIR, is_lora, save_adapter_config
-from dagrl.engines.models import DTYPES, load_tokenizer, plain_config
+from dagrl.engines.models import DTYPES, load_tokenizer
 from dagrl.observe.loggers import RunLogger, truncate_jsonl
 from dagrl.observe.observer import StepObserver
 from dagrl.roles.plan import plan_with_sides
@@ -199,17 +198,9 @@ class AsyncWorker:
                            "in_flight_groups": "regenerated"}}
         start = time.perf_counter()
         path = self.checkpointer.save(step, self.stateful_engines(), state,
-                                      hf_files=self._write_hf_files)
+                                      hf_files=self.engines.write_hf_files)
         self.log(f"checkpoint: step {step} -> {path} ({time.perf_counter() - start:.1f} s)")
         return path
-
-    def _write_hf_files(self, out: Path) -> None:
-        model = self.engines.actor.model if self.engines.actor else None
-        if model is not None:
-            plain_config(model.config).save_pretrained(out)
-            if is_lora(model):
-                save_adapter_config(model, out.parent / ADAPTER_DIR)
-        self.engines.tokenizer.save_pretrained(out)
 
     def resume(self) -> tuple[int, dict | None]:
         """The checkpoint `trainer.resume` selects: (its step, the data position), or (0, None)."""

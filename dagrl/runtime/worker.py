@@ -35,9 +35,8 @@ from dagrl.data.replicas import from_replicas, to_replicas
 from dagrl.device import is_host
 from dagrl.engines.bundle import build_engines
 from dagrl.engines.host_memory import release_freed_memory
-from dagrl.engines.lora import ADAPTER_DIR, is_lora, save_adapter_config
 from dagrl.engines.memory_estimate import ModelShape, estimate_memory, estimated_peak
-from dagrl.engines.models import load_tokenizer, plain_config
+from dagrl.engines.models import load_tokenizer
 from dagrl.observe.loggers import RunLogger, truncate_jsonl
 from dagrl.observe.memory import GB, host_rss_bytes
 from dagrl.observe.metrics import StepMetrics
@@ -317,18 +316,9 @@ class Worker:
                               for name, engine in self.trained_engines().items()},
                  "kl_controller": e.kl_controller.state_dict() if e.kl_controller else None}
         path = self.checkpointer.save(step, self.stateful_engines(), state,
-                                      hf_files=self._write_hf_files)
+                                      hf_files=self.engines.write_hf_files)
         self.log(f"checkpoint: step {step} -> {path}")
         return path
-
-    def _write_hf_files(self, out: Path) -> None:
-        """What `dagrl export` needs beside the weights: model config and tokenizer."""
-        model = self.engines.actor.model if self.engines.actor else None
-        if model is not None:
-            plain_config(model.config).save_pretrained(out)
-            if is_lora(model):
-                save_adapter_config(model, out.parent / ADAPTER_DIR)
-        self.engines.tokenizer.save_pretrained(out)
 
     def resume(self) -> int:
         """Load the checkpoint `trainer.resume` selects; returns its step (0: none)."""

@@ -117,7 +117,11 @@ def build_root(root: str, uid: int, scratch_mb: int) -> None:
     os.makedirs(root + "/scratch", exist_ok=True)
     _mount("tmpfs", root + "/scratch", "tmpfs", MS_NOSUID | MS_NODEV,
            f"size={scratch_mb}m,mode=0700,uid={uid},gid={uid}")
-    os.symlink("/scratch", root + "/tmp")
+    # /tmp points to the scratch directory, unless the skeleton already has a /tmp because the
+    # interpreter or the code lives under the host's /tmp (a venv or checkout there): then
+    # /tmp stays read-only and TMPDIR (set below) still sends temporary files to /scratch.
+    if not os.path.lexists(root + "/tmp"):
+        os.symlink("/scratch", root + "/tmp")
     _mount(None, root, None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 
