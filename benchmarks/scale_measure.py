@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.dataplane import _reset_hwm, _status_kib  # /proc readers, shared
+
 MIB = 1 << 20
 
 
@@ -204,23 +206,6 @@ def fsdp_overhead(shape: dict, worlds=(1, 2, 4), repeats: int = 7) -> dict:
 
 
 # --- the single controller's driver ------------------------------------------------------------
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 class _Producer:
     """A worker of the emulation: makes its output batch (verl's DataProto holds torch tensors:
     token ids and masks int64, log-probs float32), and takes its input chunk."""
@@ -296,7 +281,7 @@ def _emulate_once(ray, actors, shard_bytes: int, rep: int) -> dict:
     import gc
 
     gc.collect()
-    hwm = _reset_peak()
+    hwm = _reset_hwm()
     base = _status_kib("VmRSS")
     t0 = time.perf_counter()
     parts = ray.get(refs)                           # gather: fetch + deserialise

@@ -24,6 +24,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dagrl.runtime.reaper import descendants, proc_stat
 from tests.dist_helpers import free_port
 
 # A node start takes ~5-20 s here (more while the 2 cores are busy).
@@ -51,21 +52,9 @@ def _node_args(num_cpus: int, num_gpus: int, resources: dict[str, float]) -> lis
 
 
 def _descendants(roots: list[int]) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    data = f.read()
-            except OSError:
-                continue
-            children.setdefault(int(data[data.rindex(b")") + 2:].split()[1]), []).append(int(name))
-    out, todo = [], list(roots)
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
+    """Every live descendant of the processes `roots` (the reaper's own walk of /proc)."""
+    alive = {pid: found[1] for pid in roots if (found := proc_stat(pid)) is not None}
+    return [pid for pid in descendants(alive) if pid not in alive]
 
 
 @dataclass

@@ -46,7 +46,8 @@ class ScriptedEngine:
         return padded_output(tokens, logprobs, max_new_tokens, self.tokenizer.pad_token_id, CPU)
 
     def update_weights(self, named_tensors, version):
-        raise NotImplementedError
+        # A scripted policy has no weights; the multi-turn loop must never push any.
+        raise AssertionError("the multi-turn loop called update_weights on a rollout engine")
 
 
 @pytest.fixture(scope="module")

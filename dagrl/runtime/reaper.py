@@ -40,7 +40,7 @@ def proc_stat(pid: int) -> tuple[int, int] | None:
     return int(fields[1]), int(fields[19])
 
 
-def _descendants(roots: dict[int, int]) -> dict[int, int]:
+def descendants(roots: dict[int, int]) -> dict[int, int]:
     """`roots` (pid -> start time) and every live descendant of theirs."""
     children: dict[int, list[int]] = {}
     starts: dict[int, int] = {}
@@ -77,7 +77,7 @@ def main() -> int:
                 return 0
             if not line:   # the driver is gone without shutting Ray down
                 break
-        followed.update(_descendants(roots | followed))
+        followed.update(descendants(roots | followed))
     for pid, start in followed.items():
         stat = proc_stat(pid)
         if stat is not None and stat[1] == start:
