@@ -22,8 +22,12 @@ HF directory both sides load; gsm8k-synth train prompts in the chat template (bo
 the same tokens); 8 prompts x 4 samples, exactly 48 tokens each; GRPO with a KL loss of 0.001
 against a reference model (k3 / low_var_kl); verl's flexible GSM8K reward; one optimizer step
 per batch; 2 threads; one round. Ours runs examples/smollm2_gsm8k.yaml (its memory settings
-on), TRL its GRPOTrainer defaults (which checkpoint activations). `--precision bfloat16` runs
-both sides in mixed precision (ours model.mixed_precision=bfloat16, TRL bf16=True).
+on), TRL its GRPOTrainer defaults (which checkpoint activations). Precision (`--precision`):
+`bfloat16` runs both sides in mixed precision (ours model.mixed_precision=bfloat16, TRL
+bf16=True; float32 master weights on both), `float32` both in float32; the smollm2 default,
+`auto`, is bfloat16 where the device multiplies bfloat16 natively (CUDA, CPUs with AVX512-BF16
+or AMX) and float32 elsewhere, as a real model is trained (verl's FSDP and TRL's bf16=True
+default to mixed precision on such hardware). The tiny workload defaults to float32.
 
 Every side runs as its own process; its peak RSS is the `ru_maxrss` the kernel reports for
 that process tree when it exits (`os.wait4`), the same measure for both.
@@ -70,9 +74,9 @@ DEFAULT_SIDES = ("ours", "ours-compiled", "trl")
 # Per workload: the defaults of --steps, --prompts, --samples, --tokens, --sides, --rounds.
 WORKLOAD_DEFAULTS = {
     "tiny": {"steps": 20, "prompts": 8, "samples": 8, "tokens": 32,
-             "sides": ",".join(DEFAULT_SIDES), "rounds": 2},
+             "sides": ",".join(DEFAULT_SIDES), "rounds": 2, "precision": "float32"},
     "smollm2": {"steps": 3, "prompts": 8, "samples": 4, "tokens": 48, "sides": "ours,trl",
-                "rounds": 1},
+                "rounds": 1, "precision": "auto"},
 }
 
 
@@ -390,6 +394,16 @@ def mean_prompt_tokens(data: Path, model: Path, name: str) -> float:
 
 # --- the run -----------------------------------------------------------------------------------
 
+def resolve_precision(precision: str) -> str:
+    """`auto` -> bfloat16 where this machine's device multiplies bfloat16 natively, else float32
+    (with emulated bfloat16 both sides would only be slower)."""
+    if precision != "auto":
+        return precision
+    from dagrl.device import device_type, native_bf16_matmul, worker_device
+
+    return "bfloat16" if native_bf16_matmul(worker_device(device_type())) else "float32"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dagrl bench e2e", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -403,9 +417,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, help="completion tokens per sample (tiny 32, "
                         "smollm2 48)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads on each side")
-    parser.add_argument("--precision", choices=("float32", "bfloat16"), default="float32",
+    parser.add_argument("--precision", choices=("float32", "bfloat16", "auto"),
                         help="bfloat16: mixed precision on both sides (bfloat16 matmuls, float32 "
-                             "master weights); the limit then uses the bfloat16 matmul rate")
+                             "master weights; the limit then uses the bfloat16 matmul rate); "
+                             "auto: bfloat16 where this device multiplies it natively, else "
+                             "float32 (tiny float32, smollm2 auto)")
     parser.add_argument("--sides", help=f"comma-separated, of {', '.join(SIDES)} (tiny: "
                         f"{WORKLOAD_DEFAULTS['tiny']['sides']}; smollm2: ours,trl)")
     parser.add_argument("--rounds", type=int,
@@ -424,7 +440,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not sides or set(ns.sides.split(",")) - set(SIDES):
         parser.error(f"--sides takes a comma-separated subset of {', '.join(SIDES)}")
     work = Workload(ns.steps, ns.prompts, ns.samples, ns.tokens, ns.threads, ns.workload,
-                    ns.precision)
+                    resolve_precision(ns.precision))
 
     python = ensure_trl_venv(ns.venv) if any(s.startswith("trl") for s in sides) else None
     ns.out.mkdir(parents=True, exist_ok=True)

@@ -187,7 +187,7 @@ def test_validation_metrics_before_and_during_training(tmp_path):
     run_dir = tmp_path / "run"
     launch(config(run_dir, "trainer.total_steps=2", "trainer.val_every=2",
                   "trainer.val_before_train=true", "data.val_files=[builtin:arith]",
-                  "rollout.val_n=3", "rollout.val_temperature=1.0"))
+                  "rollout.val_n=3", "rollout.val_temperature=1.0", "logging.val_generations=4"))
     import pyarrow.parquet as pq
 
     records = {r["step"]: r for r in metrics(run_dir)}
@@ -200,6 +200,18 @@ def test_validation_metrics_before_and_during_training(tmp_path):
         assert r["val/arith/score"] <= r["val/arith/pass@3"] or r["val/arith/pass@3"] == 0
         assert "val/arith/maj@3" in r
     assert "val/arith/score" not in records[1]
+
+    # logging.val_generations=4: the first 4 samples of each validation as text, scored as the
+    # scorer scores them; with val_n=3 the first three share their prompt.
+    from dagrl.rewards.scorers import SCORERS
+
+    samples = [json.loads(line)
+               for line in (run_dir / "val_generations.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [0] * 4 + [2] * 4
+    for s in samples:
+        assert s["data_source"] == "arith" and s["prompt"].endswith("=")
+        assert s["score"] == SCORERS.get("arith")(s["response"], s["ground_truth"])
+    assert len({s["prompt"] for s in samples[:3]}) == 1 != len({s["prompt"] for s in samples[:4]})
 
 
 def _torchrun(run_dir, *overrides, workers=2):

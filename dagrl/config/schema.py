@@ -474,9 +474,14 @@ class LoggingConfig:
     wandb_mode: Literal["offline", "online"] = "offline"
     # Empty: a local MLflow file store in RUN_DIR/mlruns.
     mlflow_tracking_uri: str = ""
+    # At every validation, the first N samples of rank 0's rows (prompt, response, ground
+    # truth, score) are appended to RUN_DIR/val_generations.jsonl (verl's
+    # trainer.log_val_generations); 0: none.
+    val_generations: int = 0
 
     def __post_init__(self) -> None:
         _check(self.console_every > 0, "console_every must be > 0")
+        _check(self.val_generations >= 0, "val_generations must be >= 0 (0: none)")
         _check(bool(self.project), "project must not be empty")
 
 

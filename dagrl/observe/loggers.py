@@ -40,6 +40,17 @@ class JsonlLogger:
         self._file.close()
 
 
+# logging.val_generations: validation samples as text, one JSON record per sample.
+GENERATIONS_FILE = "val_generations.jsonl"
+
+
+def append_generations(path: Path, step: int, samples: list[dict]) -> None:
+    """Append validation samples (dicts of prompt, response, ...) as records of `step`."""
+    with path.open("a", encoding="utf-8") as f:
+        for sample in samples:
+            f.write(json.dumps({"step": step, **sample}, ensure_ascii=False) + "\n")
+
+
 def truncate_jsonl(path: Path, last_step: int) -> None:
     """Drop the records after `last_step` from a metrics.jsonl (steps re-run after a resume
     would otherwise be logged twice), replacing the file atomically."""

@@ -8,6 +8,9 @@ Metrics, per data source (reduced over all workers as exact global means):
                                  answer)
     val/<data_source>/maj@n      (rollout.val_n > 1) the score of the most frequent response
                                  text among a prompt's samples (ties: the first seen)
+
+With logging.val_generations = N > 0, rank 0 keeps its first N samples (prompt, response, ground
+truth, score) in `samples` after each run, for RUN_DIR/val_generations.jsonl.
 """
 
 from __future__ import annotations
@@ -47,11 +50,14 @@ class Validator:
                                    truncation=d.truncation)
         self.rows = np.arange(len(source))[rank::world_size]
         self.cfg, self.engines, self.device = cfg, engines, device
+        self.keep = cfg.logging.val_generations if rank == 0 else 0
+        self.samples: list[dict] = []     # the last run's first `keep` samples
 
     def run(self) -> StepMetrics:
         """This rank's validation statistics (reduce them over all ranks)."""
         n = self.cfg.rollout.val_n
         metrics = StepMetrics()
+        self.samples = []
         start = time.perf_counter()
         chunk = self.cfg.data.val_batch_size
         for i in range(0, len(self.rows), chunk):
@@ -88,6 +94,7 @@ class Validator:
             metrics.add_sum("val/reward_errors", result.n_errors + result.n_timeouts)
         scores = torch.tensor(result.scores if env_scores is None else env_scores,
                               dtype=torch.float64).view(len(rows), n)
+        self._keep_samples(batch, texts, scores.flatten().tolist())
         sources = batch["data_source"][::n]
         for p, source in enumerate(sources):
             prefix = f"val/{source}"
@@ -97,3 +104,15 @@ class Validator:
                 answers = [t.strip() for t in texts[p * n:(p + 1) * n]]
                 majority = Counter(answers).most_common(1)[0][0]
                 metrics.add_mean(f"{prefix}/maj@{n}", float(scores[p, answers.index(majority)]), 1)
+
+    def _keep_samples(self, batch, texts: list[str], scores: list[float]) -> None:
+        """The first `keep` samples of this run, as text (for logging.val_generations)."""
+        take = min(self.keep - len(self.samples), len(texts))
+        if take <= 0:
+            return
+        prompts = decode_responses(self.engines.tokenizer, batch["prompt_ids"][:take],
+                                   batch["prompt_mask"][:take])
+        for i in range(take):
+            self.samples.append({"data_source": batch["data_source"][i], "prompt": prompts[i],
+                                 "response": texts[i], "ground_truth": batch["ground_truth"][i],
+                                 "score": scores[i]})

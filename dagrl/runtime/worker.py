@@ -37,7 +37,7 @@ from dagrl.engines.bundle import build_engines
 from dagrl.engines.host_memory import release_freed_memory
 from dagrl.engines.memory_estimate import ModelShape, estimate_memory, estimated_peak
 from dagrl.engines.models import load_tokenizer
-from dagrl.observe.loggers import RunLogger, truncate_jsonl
+from dagrl.observe.loggers import GENERATIONS_FILE, RunLogger, append_generations, truncate_jsonl
 from dagrl.observe.memory import GB, host_rss_bytes
 from dagrl.observe.metrics import StepMetrics
 from dagrl.observe.observer import StepObserver
@@ -268,12 +268,12 @@ class Worker:
         history = []
         try:
             if t.val_before_train and start == 0:
-                self._log(0, self.validate())
+                self._log(0, self.validate(0))
             for step in range(start + 1, t.total_steps + 1):
                 metrics = self.run_step(step)
                 last = step == t.total_steps
                 if t.val_every and (step % t.val_every == 0 or last):
-                    metrics.update(self.validate())
+                    metrics.update(self.validate(step))
                 history.append(metrics)
                 self._log(step, metrics)
                 # After a step that finished cleanly: a step that raised (a NaN loss, say)
@@ -289,8 +289,11 @@ class Worker:
         if self.logger is not None:
             self.logger.log(step, metrics)
 
-    def validate(self) -> dict[str, float]:
-        return self.validator.run().reduce(self.dist.cpu_group if self.dist.distributed else None)
+    def validate(self, step: int) -> dict[str, float]:
+        metrics = self.validator.run()
+        if self.validator.samples:      # rank 0, logging.val_generations > 0
+            append_generations(self.run_dir / GENERATIONS_FILE, step, self.validator.samples)
+        return metrics.reduce(self.dist.cpu_group if self.dist.distributed else None)
 
     # --- checkpoints ---------------------------------------------------------------------------
     def trained_engines(self) -> dict:
@@ -349,6 +352,7 @@ class Worker:
         step = int(state["step"])
         if self.rank == 0:
             truncate_jsonl(self.run_dir / "metrics.jsonl", step)
+            truncate_jsonl(self.run_dir / GENERATIONS_FILE, step)
         self.log(f"resumed from {path} (step {step}, saved by {state['world_size']} worker(s), "
                  f"now {self.world_size})")
         return step
