@@ -1,8 +1,8 @@
 """Everything about a run's inputs that can be checked without loading a model or writing a
 file, checked before the run directory is touched: the graph and its roles, the model
 directory and whether its heads split over the tensor / sequence-parallel sizes, the reward
-function, the datasets (schema, column types and the values of their first rows), and the run
-and checkpoint directories.
+function, the datasets (schema, column types and the values of their first rows, and, with a
+model directory, their prompts' token lengths), and the run and checkpoint directories.
 
 `check_inputs` runs in the launching process (the Ray driver, the single worker) or on every
 torchrun rank before the process group forms, so a typo costs seconds, not a model load, and a
@@ -18,7 +18,7 @@ from pathlib import Path
 from dagrl.config.loader import ConfigError
 from dagrl.config.schema import Config
 from dagrl.dag.spec import GraphError
-from dagrl.data.dataset import ParquetPrompts
+from dagrl.data.dataset import ParquetPrompts, PromptLoader
 from dagrl.data.errors import DatasetError
 from dagrl.data.makers import MAKERS
 from dagrl.engines.models import (
@@ -26,6 +26,7 @@ from dagrl.engines.models import (
     PACKAGE_PREFIX,
     TINY_FAMILIES,
     check_model_dir,
+    load_tokenizer,
     package_dir,
 )
 from dagrl.engines.tiny_reward_model import NAME as TINY_RM
@@ -53,9 +54,12 @@ def check_inputs(cfg: Config) -> None:
         check_model_source(cfg.judge.path, cfg.judge.gguf_file, section="judge")
     check_reward(cfg)
     t = cfg.trainer
-    check_datasets(cfg, "train_files")
+    data_keys = ["train_files"]
     if t.val_every > 0 or t.val_before_train:
-        check_datasets(cfg, "val_files")
+        data_keys.append("val_files")
+    for key in data_keys:
+        check_datasets(cfg, key)
+    check_prompt_lengths(cfg, data_keys)
     run_dir = Path(t.run_dir or "runs")
     check_dir_usable(run_dir, "trainer.run_dir")
     check_dir_usable(Path(t.checkpoint_dir) if t.checkpoint_dir else run_dir / "checkpoints",
@@ -127,6 +131,26 @@ def check_datasets(cfg: Config, key: str) -> None:
                 raise DatasetError(f"{where} has data_source {data_source!r}, which no reward "
                                    f"scorer handles ({SCORERS.unknown_message(data_source)}); "
                                    "set reward.custom_fn or reward.scorer to score it")
+
+
+def check_prompt_lengths(cfg: Config, keys: list[str]) -> None:
+    """The first rows of the user's parquet files rendered with the model's tokenizer and chat
+    template, so an overlong or empty prompt is refused before the run directory exists. Only
+    a tokenizer is loaded (no weights). A built-in model's tokenizer and the built-in datasets
+    are written by prepare_run: the worker's pre-flight checks those (runtime/preflight.py)."""
+    m, d = cfg.model, cfg.data
+    files = {key: [f for f in getattr(d, key) if not f.startswith(BUILTIN_PREFIX)]
+             for key in keys}
+    if m.path.startswith(BUILTIN_PREFIX) or not any(files.values()):
+        return
+    path = str(package_dir(m.path)) if m.path.startswith(PACKAGE_PREFIX) else m.path
+    tokenizer = load_tokenizer(path, m.gguf_file)
+    for key, paths in files.items():
+        if paths:
+            source = ParquetPrompts(paths, d.prompt_key, config_key=f"data.{key}")
+            PromptLoader(source, tokenizer, batch_size=1, tail="pad",
+                         max_prompt_length=d.max_prompt_length,
+                         truncation=d.truncation).check_prompt_lengths(PREFLIGHT_ROWS)
 
 
 def check_dir_usable(path: Path, key: str) -> None:

@@ -70,6 +70,20 @@ def test_bad_data_is_refused_before_the_run_directory_exists(tmp_path, make, sho
     assert not (tmp_path / "run").exists()        # nothing written, nothing trained
 
 
+def test_an_overlong_prompt_is_refused_before_the_run_directory_exists(tmp_path, tiny_model_dir):
+    """With a model directory the prompts' token lengths are checked with its tokenizer
+    before anything is written, like the data's schema (row 900: deep in the file)."""
+    rows = arith_rows(1000)
+    rows[900]["prompt"][0]["content"] = "1+" * 40 + "1="
+    data = write_rows(tmp_path / "long.parquet", rows)
+    proc = train(tmp_path / "run", f"data.train_files=[{data}]", f"model.path={tiny_model_dir}",
+                 "data.max_prompt_length=16")
+    assert proc.returncode == 1
+    assert_one_error_line(proc, f"DatasetError: {data}: row 900",
+                          "more than data.max_prompt_length=16")
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_binary_prompt_beyond_the_checked_rows_is_never_tokenized(tmp_path, tokenizer):
     """The pre-flight reads the first rows only; every batch checks its own prompts too, so a
     prompt of bytes in a row the pre-flight did not read stops the run instead of being
