@@ -140,6 +140,24 @@ def test_planner_reshards_around_subset_node():
     assert "rank 3:" in text and "reshard ranks 0,1,2,3 -> ranks 0,1" in text
 
 
+@pytest.mark.parametrize("role", ["ref_logprob", "old_logprob", "actor_update", "values",
+                                  "critic_update", "reward_model"])
+def test_a_sharded_models_node_on_a_rank_subset_is_refused(role):
+    """Its weights are FSDP2-sharded over every worker: run on ranks 0 only, its forward would
+    wait forever for rank 1's all-gather (it hung before this check)."""
+    from dagrl.roles.plan import check_sharded_nodes_on_every_rank
+
+    graph = graph_from_dict({"name": "g", "nodes": [
+        {"id": "gen", "role": "rollout", "options": {"ranks": [0]}},   # a whole copy: fine
+        {"id": "x", "role": role, "deps": ["gen"], "options": {"ranks": [0]}}]})
+    with pytest.raises(GraphError, match=f"node 'x' has options.ranks \\[0\\], but its role "
+                                         f"'{role}' runs the .* model, whose weights are sharded"):
+        check_sharded_nodes_on_every_rank(graph, world_size=2)
+    check_sharded_nodes_on_every_rank(graph, world_size=1)
+    graph.node("x").options["ranks"] = [1, 0]        # every rank, in any order
+    check_sharded_nodes_on_every_rank(graph, world_size=2)
+
+
 def test_planner_rejects_bad_ranks():
     graph = graph_from_dict({"nodes": [{"id": "gen", "role": "rollout",
                                         "options": {"ranks": [5]}}]})

@@ -61,6 +61,8 @@ def plan_with_sides(cfg: Config, world_size: int
     graph = build_graph(cfg)
     order = validate_graph(graph, ROLES)
     check_node_models(graph, cfg, world_size)
+    if not cfg.is_async:   # async places the sides itself (dag/async_placement.py)
+        check_sharded_nodes_on_every_rank(graph, world_size)
     sides = None
     if cfg.is_async:
         graph, order, sides = place_async(graph, order, world_size, ROLLOUT_SIDE_ROLES,
@@ -120,6 +122,24 @@ def check_node_models(graph: GraphSpec, cfg: Config, world_size: int) -> None:
                              f"has options.ranks {ranks}; extra models run on every rank (their "
                              "weights are sharded over all workers) — placing them on a subset "
                              "is not supported yet")
+
+
+def check_sharded_nodes_on_every_rank(graph: GraphSpec, world_size: int) -> None:
+    """A node whose role runs a model FSDP2 shards over every worker (engines/bundle.py: the
+    actor, critic and reference passes, the reward model) has no `options.ranks` other than all
+    ranks: each forward all-gathers from all workers, so on fewer ranks it would wait forever.
+    (A rollout node may sit on a subset: the other ranks still join its weight gathers.)"""
+    everyone = list(range(world_size))
+    for node in graph.nodes:
+        ranks = node.options.get("ranks")
+        role = ROLES.get(node.role)
+        sharded = ([e for e in role.engines if e != "rollout"]
+                   if role.runs_model or "reward_model" in role.engines else [])
+        if world_size > 1 and ranks is not None and sorted(ranks) != everyone and sharded:
+            raise GraphError(f"graph {graph.name!r}: node {node.id!r} has options.ranks "
+                             f"{ranks}, but its role {node.role!r} runs the {sharded[0]} model, "
+                             f"whose weights are sharded over all {world_size} workers (FSDP2): "
+                             "run it on every rank (drop its options.ranks)")
 
 
 def engines_of(plan: RankPlan, model: str = "") -> set[str]:
