@@ -187,6 +187,45 @@ def test_sequence_parallel_4k_tokens_use_less_activation_memory(tiny_model_dir):
         assert got < 0.6 * one, (got, one)
 
 
+class _Mesh:
+    """The two things shard_sequence asks of its sp mesh."""
+
+    def __init__(self, size, rank):
+        self._size, self._rank = size, rank
+
+    def size(self):
+        return self._size
+
+    def get_local_rank(self):
+        return self._rank
+
+
+def test_padded_and_packed_rows_reach_attention_as_sequences_not_a_mask():
+    """No [T, T] mask for long padded or packed rows (64 MiB in float32 at 4k tokens, per row):
+    the model gets each sequence's columns; attention runs causally on each (the numerics are
+    checked against one process above)."""
+    from dagrl.engines.forward import _global_layout
+    from dagrl.engines.ulysses import SEGMENTS_KWARG, shard_sequence
+
+    t = 4096
+    prompt_mask, response_mask = torch.ones(2, t // 2, dtype=torch.long), torch.ones(2, t // 2)
+    prompt_mask[0, :100] = 0                      # row 0: 100 padding columns on the left
+    response_mask[1, -300:] = 0                   # row 1: 300 on the right
+    ids = torch.randint(4, 48, (2, t // 2))
+    for pack, want in ((False, [[(100, t)], [(0, t - 300)]]),
+                       (True, [[(0, t - 100), (t - 100, 2 * t - 400)]])):
+        layout = _global_layout(ids, prompt_mask, ids, response_mask, pack)
+        for rank in (0, 1):
+            shard = shard_sequence(_Mesh(2, rank), *layout)
+            assert shard.segments == want, (pack, rank)
+            kwargs = shard.model_kwargs()
+            assert kwargs["attention_mask"] is None and kwargs[SEGMENTS_KWARG] == want
+            assert all(v.numel() <= layout[0].numel() for v in kwargs.values()
+                       if isinstance(v, torch.Tensor))
+    whole = _global_layout(ids, torch.ones_like(prompt_mask), ids, torch.ones(2, t // 2), False)
+    assert SEGMENTS_KWARG not in shard_sequence(_Mesh(2, 0), *whole).model_kwargs()
+
+
 def test_config_and_model_checks_name_the_key():
     from dagrl.config.presets import load_run_config
     from dagrl.engines.models import tiny_model_config

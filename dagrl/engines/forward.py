@@ -80,7 +80,7 @@ def _global_layout(prompt_ids, prompt_mask, responses, response_mask, pack: bool
 def _sequence_shard(model: torch.nn.Module, mesh, prompt_ids, prompt_mask, responses,
                     response_mask, pack: bool) -> SequenceShard:
     layout = _global_layout(prompt_ids, prompt_mask, responses, response_mask, pack)
-    return shard_sequence(mesh, *layout, dtype=model.dtype)
+    return shard_sequence(mesh, *layout)
 
 
 def _response_outputs(model: torch.nn.Module, prompt_ids, prompt_mask, responses,
@@ -91,8 +91,8 @@ def _response_outputs(model: torch.nn.Module, prompt_ids, prompt_mask, responses
     if mesh is not None:   # this rank's 1/sp of every sequence (ulysses.py)
         shard = _sequence_shard(model, mesh, prompt_ids, prompt_mask, responses, response_mask,
                                 pack)
-        out = model(input_ids=shard.input_ids, position_ids=shard.position_ids,
-                    attention_mask=shard.mask, use_cache=False).logits    # [B, T/sp, C]
+        out = model(input_ids=shard.input_ids, use_cache=False,
+                    **shard.model_kwargs()).logits                        # [B, T/sp, C]
         local = out.reshape(-1, out.shape[-1])[shard.rows]
         return sum_rows(local, shard, int(response_mask.bool().sum()), mesh)
     if pack:
@@ -191,7 +191,7 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
         shard = _sequence_shard(model, mesh, prompt_ids, prompt_mask, responses, response_mask,
                                 pack)
         input_ids = shard.input_ids
-        kwargs = {"position_ids": shard.position_ids, "attention_mask": shard.mask}
+        kwargs = shard.model_kwargs()
         n_used = len(targets)
         targets = targets[shard.order]                                        # [n] here
 

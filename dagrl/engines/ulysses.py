@@ -3,26 +3,26 @@ run the model on 1/sp of every sequence, and swap sequence shards for head shard
 attention with two all-to-alls:
 
     q, k, v   [B, h, T/sp, d]  --all-to-all-->  [B, h/sp, T, d]   whole sequence, 1/sp of heads
-    attention on the whole sequence, with the mask of the whole sequence
+    causal attention on the whole sequence (on each of a row's sequences)
     output    [B, h/sp, T, d]  --all-to-all-->  [B, h, T/sp, d]
 
 Everything else (embeddings, norms, MLP, LM head) is per token, so a rank's activations are
 those of T/sp tokens. KV heads fewer than sp are repeated to sp first (each rank then gets the
-one its query heads read). The attention runs through the model's configured kernel
-(`dagrl_grouped`, sdpa, eager), registered here as `dagrl_ulysses` around it.
+one its query heads read). The attention, registered here as transformers' `dagrl_ulysses`
+attention, is PyTorch's SDPA with is_causal (whatever kernel the model was configured with:
+the sequence-parallel path builds no mask for a kernel to read).
 
 forward.py pads the [B, T] input to a multiple of sp, gives rank s the columns
-[s T/sp, (s+1) T/sp) with their global position ids, passes the whole sequence's additive mask
-[B, 1, T, T] (causal, padding, and packed-sequence boundaries; HF uses a 4-D mask as given), and
-sums the per-token results over the sp group (`sum_rows`), each token being computed by exactly
-one rank. That sum keeps each summand's whole gradient in backward, so each rank's parameter
-gradient covers its own tokens; FSDP2, sharding over dp x sp, averages them, which the actor's
-loss scaling (x dp*sp) turns back into the sum.
+[s T/sp, (s+1) T/sp) with their global position ids and, for padded or packed rows, the columns
+of each sequence in the whole row (attention then runs causally on each, with no [T, T] mask),
+and sums the per-token results over the sp group (`sum_rows`), each token being computed by
+exactly one rank. That sum keeps each summand's whole gradient in backward, so each rank's
+parameter gradient covers its own tokens; FSDP2, sharding over dp x sp, averages them, which
+the actor's loss scaling (x dp*sp) turns back into the sum.
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -32,13 +32,16 @@ from torch.distributed.tensor import DTensor, Partial
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from dagrl.engines.sharding import decoder_layers
 from dagrl.engines.tensor_parallel import head_counts
 
 NAME = "dagrl_ulysses"
 _MESH_ATTR = "dagrl_sp_mesh"
+# The model-call keyword that carries each row's sequences (SequenceShard.segments) down to
+# ulysses_attention: transformers passes unknown keywords through to the attention function,
+# and activation checkpointing replays them in the recompute.
+SEGMENTS_KWARG = "dagrl_segments"
 
 
 def check_sequence_parallel(config, sp: int, tp: int = 1,
@@ -85,12 +88,6 @@ def _heads_to_seq(x: torch.Tensor, group, sp: int) -> torch.Tensor:
     return got.transpose(0, 1).reshape(b, sp * h, total // sp, d)
 
 
-def _inner_attention(module: torch.nn.Module, name: str):
-    if name == "eager":   # not in the registry: each model module defines its own
-        return sys.modules[type(module).__module__].eager_attention_forward
-    return ALL_ATTENTION_FUNCTIONS[name]
-
-
 def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, attention_mask: torch.Tensor | None,
                       **kwargs) -> tuple[torch.Tensor, None]:
@@ -103,16 +100,42 @@ def ulysses_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         key = key.repeat_interleave(sp // kv, dim=1)
         value = value.repeat_interleave(sp // kv, dim=1)
     q, k, v = (_seq_to_heads(t, group, sp) for t in (query, key, value))
-    # No mask: plain causal attention over whole, unpadded sequences (SDPA's is_causal).
-    inner = (_inner_attention(module, module.dagrl_inner_attention)
-             if attention_mask is not None else sdpa_attention_forward)
-    out, _ = inner(module, q, k, v, attention_mask, **kwargs)            # [B, T, h/sp, d]
+    segments = kwargs.pop(SEGMENTS_KWARG, None)
+    if segments is not None:   # padded or packed rows: causal attention within each sequence
+        out = _segment_attention(module, q, k, v, segments, **kwargs)   # [B, T, h/sp, d]
+    else:   # whole, unpadded sequences: plain causal attention (SDPA's is_causal), no mask
+        out, _ = sdpa_attention_forward(module, q, k, v, None, **kwargs)
     return _heads_to_seq(out.transpose(1, 2), group, sp).transpose(1, 2), None
 
 
+def _segment_attention(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor,
+                       v: torch.Tensor, segments: list[list[tuple[int, int]]],
+                       **kwargs) -> torch.Tensor:
+    """Causal SDPA on each sequence's columns [start, end) of each row, zeros elsewhere
+    (padding: no caller reads it). q, k, v [B, h, T, d] -> [B, T, h, d]. Nothing of size
+    [T, T] is built: the kernel's is_causal does the masking (a packed row of several
+    sequences is several calls)."""
+    batch, heads, total, dim = q.shape
+    rows = []
+    for b, spans in enumerate(segments):
+        pieces, at = [], 0
+        for start, end in spans:
+            if start > at:
+                pieces.append(q.new_zeros(1, start - at, heads, dim))
+            out, _ = sdpa_attention_forward(module, q[b:b + 1, :, start:end],
+                                            k[b:b + 1, :, start:end], v[b:b + 1, :, start:end],
+                                            None, **kwargs)                    # [1, L, h, d]
+            pieces.append(out)
+            at = end
+        if at < total:
+            pieces.append(q.new_zeros(1, total - at, heads, dim))
+        rows.append(torch.cat(pieces, dim=1))
+    return torch.cat(rows, dim=0)
+
+
 def _no_mask(*args, **kwargs) -> None:
-    """HF builds no mask of its own for `dagrl_ulysses`: forward.py passes the whole
-    sequence's 4-D mask, or none for causal attention over unpadded sequences."""
+    """HF builds no mask of its own for `dagrl_ulysses`: forward.py passes each sequence's
+    columns (`SEGMENTS_KWARG`), or nothing for causal attention over unpadded sequences."""
     return None
 
 
@@ -128,11 +151,9 @@ def ulysses_parallelize(model: torch.nn.Module, mesh: DeviceMesh, tp: int = 1
     check_sequence_parallel(model.config, sp, tp)
     heads, kv = head_counts(model.config)
     local_heads, local_kv = heads // tp // sp, max(max(kv // tp, 1) // sp, 1)
-    inner = model.config._attn_implementation
     for layer in decoder_layers(model):
         attn = layer.self_attn
         attn.dagrl_sp_mesh = mesh
-        attn.dagrl_inner_attention = inner
         attn.num_key_value_groups = local_heads // local_kv
     model.config._attn_implementation = NAME
     setattr(model, _MESH_ATTR, mesh)
@@ -144,19 +165,27 @@ class SequenceShard:
     """This rank's slice of a [B, T] input, T padded to a multiple of sp."""
     input_ids: torch.Tensor       # [B, T/sp]
     position_ids: torch.Tensor    # [B, T/sp], global positions
-    mask: torch.Tensor | None     # [B, 1, T, T] additive, the whole sequence's; None: causal
+    # Per row, the [start, end) columns of each sequence in the whole (padded) row; None:
+    # every row is one whole unpadded sequence (plain causal attention).
+    segments: list[list[tuple[int, int]]] | None
     rows: torch.Tensor            # [n] flat indices into [B * T/sp]: the requested positions here
     order: torch.Tensor           # [n] their indices in the request
 
+    def model_kwargs(self) -> dict:
+        """Keywords for the model call besides input_ids."""
+        kwargs = {"position_ids": self.position_ids, "attention_mask": None}
+        if self.segments is not None:
+            kwargs[SEGMENTS_KWARG] = self.segments
+        return kwargs
+
 
 def shard_sequence(mesh: DeviceMesh, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                   valid: torch.Tensor, wanted: torch.Tensor, dtype: torch.dtype
-                   ) -> SequenceShard:
+                   valid: torch.Tensor, wanted: torch.Tensor) -> SequenceShard:
     """input_ids, position_ids, valid (real tokens) [B, T]; wanted [N] flat indices into
     [B * T] of the positions whose outputs the caller needs (in its order). Attention stays
     within a sequence: causal, real keys only, and packed sequences (position ids restarting
-    at 0) apart. Whole sequences without padding need no mask (causal attention): then none
-    is built, which for long sequences is most of the saving ([B, T, T] elements)."""
+    at 0) apart, by running it on each sequence's columns (`segments`): no [T, T] mask is
+    ever built, which for long sequences is most of the saving."""
     sp, rank = mesh.size(), mesh.get_local_rank()
     batch, width = input_ids.shape
     plain = bool(valid.all()) and bool(
@@ -168,27 +197,35 @@ def shard_sequence(mesh: DeviceMesh, input_ids: torch.Tensor, position_ids: torc
         valid = torch.nn.functional.pad(valid, (0, pad))
     total = width + pad
     length = total // sp
-    mask = None if plain else _whole_mask(position_ids, valid, dtype)    # padding at the end:
-    row, column = wanted // width, wanted % width                         # after every query
+    segments = None if plain else _segments(position_ids, valid)     # padding at the end:
+    row, column = wanted // width, wanted % width                     # after every sequence
     here = (column >= rank * length) & (column < (rank + 1) * length)
     order = here.nonzero().flatten()
     cols = slice(rank * length, (rank + 1) * length)
-    return SequenceShard(input_ids[:, cols], position_ids[:, cols],
-                         mask[:, None] if mask is not None else None,
+    return SequenceShard(input_ids[:, cols], position_ids[:, cols], segments,
                          row[order] * length + column[order] - rank * length, order)
 
 
-def _whole_mask(position_ids: torch.Tensor, valid: torch.Tensor,
-                dtype: torch.dtype) -> torch.Tensor:
-    """[B, T, T] additive mask (0 or the dtype's minimum, finite like HF's eager mask, so a
-    padding query row softmaxes to a harmless uniform): causal, real keys, one sequence."""
-    total = position_ids.shape[1]
-    segment = (position_ids == 0).long().cumsum(-1)                      # [B, T]
-    causal = torch.ones(total, total, dtype=torch.bool, device=position_ids.device).tril()
-    allowed = (causal[None] & valid.bool()[:, None, :]
-               & (segment[:, :, None] == segment[:, None, :]))            # [B, T, T]
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=position_ids.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+def _segments(position_ids: torch.Tensor, valid: torch.Tensor) -> list[list[tuple[int, int]]]:
+    """Per row, the [start, end) columns of each sequence's real tokens: a sequence starts
+    where its position ids restart at 0 (packed rows hold several). Each must be contiguous
+    (left-padded prompt + right-padded response, or packed); a gap inside one is refused."""
+    sequence = (position_ids == 0).long().cumsum(-1)                   # [B, T]
+    out = []
+    for b in range(valid.shape[0]):
+        columns = valid[b].bool().nonzero().flatten()                  # real tokens of row b
+        ids, counts = torch.unique_consecutive(sequence[b, columns], return_counts=True)
+        ends = counts.cumsum(0)
+        spans = []
+        for first, n in zip((ends - counts).tolist(), counts.tolist(), strict=True):
+            start, end = int(columns[first]), int(columns[first + n - 1]) + 1
+            if end - start != n:
+                raise ValueError(f"sequence parallelism: row {b} has a sequence with gaps in its "
+                                 "attention mask (columns {start}..{end - 1}); it needs each "
+                                 "sequence's tokens side by side")
+            spans.append((start, end))
+        out.append(spans)
+    return out
 
 
 def sum_rows(local: torch.Tensor, shard: SequenceShard, total: int,
