@@ -100,6 +100,15 @@ async def slow(seconds: float) -> str:
 
 def undocumented(x):
     return x
+
+class Waiter:
+    """A Tool object of its own (no docstring schema needed)."""
+    name, description = "waiter", "Waits."
+    parameters = {"type": "object", "properties": {"seconds": {"type": "number"}}}
+
+    async def call(self, arguments):
+        await asyncio.sleep(arguments["seconds"])
+        return "waited"
 '''
 
 
@@ -116,6 +125,11 @@ def test_a_users_tools_load_from_a_file_with_schemas_from_their_docstrings(tmp_p
     assert asyncio.run(tools["slow"].call({"seconds": 0.01})) == "done"
     with pytest.raises(ToolError, match="no result within 2 s"):
         asyncio.run(tools["slow"].call({"seconds": 60}))
+    # A Tool class's calls get the same wall-time limit (rollout.multi_turn.tool_timeout_s).
+    waiter = load_tools([f"{path}:Waiter"], CFG)["waiter"]
+    assert asyncio.run(waiter.call({"seconds": 0.01})) == "waited"
+    with pytest.raises(ToolError, match="waiter: no result within 2 s"):
+        asyncio.run(waiter.call({"seconds": 60}))
     with pytest.raises(ValueError, match="docstring"):
         load_tools([f"{path}:undocumented"], CFG)
     with pytest.raises(ValueError, match="two tools are named 'calculator'"):

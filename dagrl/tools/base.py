@@ -97,11 +97,28 @@ class FunctionTool:
             running = self.fn(**arguments)
         else:
             running = asyncio.to_thread(self.fn, **arguments)
-        try:
-            result = await asyncio.wait_for(running, self.timeout_s)
-        except asyncio.TimeoutError:
-            raise ToolError(f"{self.name}: no result within {self.timeout_s:g} s") from None
+        result = await within(running, self.timeout_s, self.name)
         return result if isinstance(result, str) else str(result)
+
+
+async def within(running, timeout_s: float, name: str) -> Any:
+    """`await running`, or a ToolError for the policy after `timeout_s` of wall time."""
+    try:
+        return await asyncio.wait_for(running, timeout_s)
+    except asyncio.TimeoutError:
+        raise ToolError(f"{name}: no result within {timeout_s:g} s") from None
+
+
+class TimedTool:
+    """A user's Tool object, its calls limited to `timeout_s` of wall time like a function's."""
+
+    def __init__(self, tool: Tool, timeout_s: float) -> None:
+        self.tool, self.timeout_s = tool, timeout_s
+        self.name, self.description = tool.name, tool.description
+        self.parameters = tool.parameters
+
+    async def call(self, arguments: dict) -> str:
+        return await within(self.tool.call(arguments), self.timeout_s, self.name)
 
 
 def load_tool(spec: str, cfg: MultiTurnConfig) -> Tool:
@@ -115,7 +132,7 @@ def load_tool(spec: str, cfg: MultiTurnConfig) -> Tool:
     if inspect.isclass(obj):
         obj = obj()
     if isinstance(obj, Tool) and inspect.iscoroutinefunction(obj.call):
-        return obj
+        return TimedTool(obj, cfg.tool_timeout_s)
     return FunctionTool(obj, cfg.tool_timeout_s, spec)
 
 
