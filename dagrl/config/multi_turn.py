@@ -67,8 +67,7 @@ class MultiTurnConfig:
     # Tool calls in flight at once, over the whole batch.
     max_concurrent_calls: int = 8
     # Wall-clock limit of one call of a tool that runs in this process (a user's function or
-    # Tool object);
-    # the sandboxed python tool has the sandbox's limits instead.
+    # Tool object); the sandboxed python tool has the sandbox's limits instead.
     tool_timeout_s: float = 30.0
     # A tool's result is cut to this many characters before it enters the chat.
     max_tool_output_chars: int = 512
