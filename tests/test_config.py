@@ -76,6 +76,10 @@ def test_multi_turn_layouts_not_supported_yet_are_refused():
                            (["reward.source=judge", "judge.path=x"], "reward.source=judge")):
         with pytest.raises(ConfigError, match=f"multi_turn with .*{message}"):
             load_config(Config, None, [*base, *extra])
+    # column-aligned baselines and gapped masks: refused, naming the variant that fits
+    with pytest.raises(ConfigError, match="use tir_optimal_token_baseline"):
+        load_config(Config, None, [*base, "algorithm.adv_estimator=optimal_token_baseline"])
+    load_config(Config, None, [*base, "algorithm.adv_estimator=tir_optimal_token_baseline"])
 
 
 def test_agent_names_are_checked_at_load(capsys):

@@ -628,6 +628,9 @@ def _check_multi_turn(cfg: Config) -> None:
     _check(cfg.reward.source == "rule",
            f"rollout.multi_turn with reward.source={cfg.reward.source} is not supported yet "
            "(rule rewards or an environment score the episodes); set reward.source=rule")
+    _check(cfg.algorithm.adv_estimator != "optimal_token_baseline",
+           "algorithm.adv_estimator=optimal_token_baseline aligns responses by column, which "
+           "multi-turn masks (tool tokens in the gaps) break; use tir_optimal_token_baseline")
 
 
 def _check_async(cfg: Config) -> None:
