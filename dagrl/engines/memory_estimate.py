@@ -18,8 +18,7 @@ the P_r parameters tp replicates (norms; k/v projections with fewer KV heads tha
 sharded over dp x sp ranks only: weights, gradients and AdamW state count (P - P_r) / W +
 P_r / (dp sp) of each. A rank's activations are those of S / sp tokens (Ulysses), of which the
 tp-split intermediates (q, attention output, k, v, MLP) count 1/tp; the logits chunk is
-[C, V / tp]. With sp > 1 and padded or packed micro-batches the attention mask of the whole
-sequence, [M, S, S], exists on each rank (none for whole, unpadded sequences).
+[C, V / tp]. No [S, S] attention mask is built under sp (engines/ulysses.py).
     rollout weights    P b' (a whole copy; 0 when the native decoder reads the actor's own
                        weights, one worker without LoRA; the adapted linears only under LoRA;
                        b' = 2 under mixed precision, a bfloat16 copy)
@@ -224,10 +223,6 @@ def estimate_memory(cfg: Config, shape: ModelShape, *, has_ref: bool = True) -> 
     if sp > 1:
         act_note += f", 1/{sp} of each sequence per rank"
     lines.append(MemoryLine("activations", int(act), act_note, "update"))
-    if sp > 1:
-        lines.append(MemoryLine("attention mask (sp)", micro * seq * seq * ab,
-                                f"{micro} x {seq} x {seq}; none for unpadded sequences",
-                                "update"))
     if mixed:   # autocast keeps its bfloat16 casts of the trained weights for the forward
         cast = trained * 2   # (frozen ones are cast at each use and freed: not kept)
         lines.append(MemoryLine("autocast weight casts", cast, "bfloat16 copies of the linears'"
