@@ -75,12 +75,20 @@ def plan_main(argv: Sequence[str]) -> int:
 
 
 def _memory_estimate(cfg, plans) -> str:
-    from dagrl.engines.memory_estimate import estimate_memory, format_estimate, model_shape
+    from dagrl.engines.memory_estimate import (
+        estimate_memory,
+        format_estimate,
+        model_shape,
+        other_model_lines,
+        other_model_shapes,
+    )
     from dagrl.observe.memory import host_rss_bytes
     from dagrl.roles.plan import engines_of
 
     has_ref = any("ref" in engines_of(p) for p in plans)
     lines = estimate_memory(cfg, model_shape(cfg), has_ref=has_ref)
+    with_ref = {name for name in cfg.models if any("ref" in engines_of(p, name) for p in plans)}
+    lines += other_model_lines(cfg, other_model_shapes(cfg), with_ref)
     return "memory per rank:\n" + format_estimate(lines, runtime_bytes=host_rss_bytes())
 
 

@@ -68,3 +68,32 @@ def test_plan_memory_prints_the_breakdown(capsys):
     out = capsys.readouterr().out
     assert "memory per rank:" in out and "adapters off: no copy" in out
     assert "peak" in out and "runtime" in out
+
+
+def test_other_models_are_counted(tmp_path):
+    """Another trained policy holds what the main one holds; a reward model its weights over
+    the workers; a judge a whole copy per rank. Counts equal the real models'."""
+    from transformers import AutoModelForSequenceClassification
+
+    from dagrl.engines.memory_estimate import other_model_lines, other_model_shapes
+    from dagrl.engines.tiny_reward_model import tiny_digit_rm_config
+
+    judge = write_tiny_model(tmp_path / "judge", "tiny-llama", hidden_size=64, layers=3)
+    cfg = load_config(Config, None, [
+        "rollout.backend=native", "trainer.n_workers=2", "models.other.actor.lr=1e-4",
+        "reward.source=judge", f"judge.path={judge}"])
+    shapes = other_model_shapes(cfg)
+    lines = {x.name: x.bytes for x in other_model_lines(cfg, shapes, with_ref={"other"})}
+    main = {x.name: x.bytes for x in estimate_memory(cfg, model_shape(cfg))}
+    for name in ("actor weights", "AdamW state", "reference weights", "rollout weights"):
+        assert lines[f"other: {name}"] == main[name] > 0, name
+    assert "other: gradients" not in lines          # an update phase: not added to the states
+    assert lines["judge weights"] == 4 * sum(p.numel() for p in load_model(str(judge)).parameters())
+    assert "other: reference weights" not in {
+        x.name for x in other_model_lines(cfg, shapes) if x.bytes}      # no ref node for it
+
+    rm = load_config(Config, None, ["trainer.n_workers=2", "reward.source=reward_model",
+                                    "reward_model.path=builtin:tiny-digit-rm"])
+    (line,) = other_model_lines(rm, other_model_shapes(rm))
+    classifier = AutoModelForSequenceClassification.from_config(tiny_digit_rm_config())
+    assert line.bytes == sum(p.numel() for p in classifier.parameters()) * 4 // 2

@@ -50,6 +50,8 @@ from dagrl.engines.models import (
     resolve_builtin_model,
     tiny_model_config,
 )
+from dagrl.engines.tiny_reward_model import NAME as TINY_RM
+from dagrl.engines.tiny_reward_model import tiny_digit_rm_config
 
 GiB = 2**30
 
@@ -126,6 +128,57 @@ def model_config(cfg: Config):
 def model_shape(cfg: Config) -> ModelShape:
     """The configured model's shape, from its config only (no weights are read)."""
     return ModelShape.of(model_config(cfg))
+
+
+def _config_at(path: str, gguf_file: str):
+    from transformers import AutoConfig
+
+    if path == BUILTIN_PREFIX + TINY_RM:
+        return tiny_digit_rm_config()
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    return AutoConfig.from_pretrained(resolve_builtin_model(path, "", hidden_size=0, layers=0,
+                                                            seed=0),
+                                      local_files_only=True, **kwargs)
+
+
+def other_model_shapes(cfg: Config) -> dict[str, ModelShape]:
+    """The shapes of the run's models besides the main policy: each extra policy of `models`
+    by its name, the reward model as 'reward_model', the judge as 'judge' (configs only)."""
+    shapes = {name: model_shape(derived) for name, derived in cfg.derived_models.items()}
+    if cfg.reward.source == "reward_model":
+        shapes["reward_model"] = ModelShape.of(_config_at(cfg.reward_model.path, ""))
+    if cfg.reward.source == "judge":
+        shapes["judge"] = ModelShape.of(_config_at(cfg.judge.path, cfg.judge.gguf_file))
+    return shapes
+
+
+def other_model_lines(cfg: Config, shapes: dict[str, ModelShape],
+                      with_ref: set[str] = frozenset()) -> list[MemoryLine]:
+    """Per-rank bytes the run's other models hold all run (`shapes` from other_model_shapes):
+    an extra policy its weights, AdamW state, reference (if its name is in `with_ref`: a graph
+    node computes its reference log-probs) and rollout copy as the main one does
+    (its gradients and transients are not added: the models' updates run one after another,
+    so the main policy's update phase stands for them); the reward model its weights (decoder
+    and a one-label score head), FSDP2 over the workers; the judge a whole copy per rank."""
+    lines = []
+    for name, derived in cfg.derived_models.items():
+        for line in estimate_memory(derived, shapes[name], has_ref=name in with_ref):
+            if line.phase == "state" and line.bytes:
+                lines.append(MemoryLine(f"{name}: {line.name}", line.bytes, line.note))
+    w = cfg.trainer.n_workers
+    s = cfg.trainer.fsdp_shard_size or w
+    if "reward_model" in shapes:
+        shape = shapes["reward_model"]   # the LM head (if untied) is a one-label score head
+        p = shape.params - (0 if shape.tied else shape.vocab * shape.hidden) + shape.hidden
+        b = DTYPES[cfg.reward_model.dtype].itemsize
+        lines.append(MemoryLine("reward model weights", p * b // s,
+                                f"{p / 1e6:.1f}M params" + (f" / {s} workers (FSDP2)" if s > 1
+                                                            else "")))
+    if "judge" in shapes:
+        p = shapes["judge"].params
+        lines.append(MemoryLine("judge weights", p * DTYPES[cfg.judge.dtype].itemsize,
+                                f"{p / 1e6:.1f}M params, a whole copy per rank"))
+    return lines
 
 
 @dataclass(frozen=True)

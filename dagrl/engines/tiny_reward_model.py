@@ -47,13 +47,19 @@ def _example(rng: random.Random) -> tuple[list[dict], str]:
     return prompt, response
 
 
+def tiny_digit_rm_config(hidden_size: int = 64, layers: int = 2):
+    """The tiny reward model's HF config: a tiny Qwen2 with a one-label regression head."""
+    config = tiny_model_config("tiny-qwen2", len(build_char_tokenizer()), hidden_size, layers)
+    config.num_labels = 1
+    config.problem_type = "regression"
+    return config
+
+
 def train_tiny_digit_rm(*, seed: int = 0, steps: int = 300, batch_size: int = 64,
                         hidden_size: int = 64, layers: int = 2):
     """(model, tokenizer, held-out mean absolute error) of a freshly trained tiny reward model."""
     tokenizer = build_char_tokenizer()
-    config = tiny_model_config("tiny-qwen2", len(tokenizer), hidden_size, layers)
-    config.num_labels = 1
-    config.problem_type = "regression"
+    config = tiny_digit_rm_config(hidden_size, layers)
     rng = random.Random(seed)
     hf_logging.disable_progress_bar()
     with torch.random.fork_rng(devices=[]):

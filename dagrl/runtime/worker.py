@@ -35,7 +35,13 @@ from dagrl.data.replicas import from_replicas, to_replicas
 from dagrl.device import is_host
 from dagrl.engines.bundle import build_engines
 from dagrl.engines.host_memory import release_freed_memory
-from dagrl.engines.memory_estimate import ModelShape, estimate_memory, estimated_peak
+from dagrl.engines.memory_estimate import (
+    ModelShape,
+    estimate_memory,
+    estimated_peak,
+    other_model_lines,
+    other_model_shapes,
+)
 from dagrl.engines.models import load_tokenizer
 from dagrl.observe.loggers import GENERATIONS_FILE, RunLogger, append_generations, truncate_jsonl
 from dagrl.observe.memory import GB, host_rss_bytes
@@ -134,6 +140,8 @@ class Worker:
         if self.engines.actor is not None:
             lines = estimate_memory(cfg, ModelShape.of(self.engines.actor.model.config),
                                     has_ref="ref" in needed)
+            with_ref = {name for name in cfg.models if "ref" in engines_of(self.plan, name)}
+            lines += other_model_lines(cfg, other_model_shapes(cfg), with_ref)
             estimate = estimated_peak(lines, runtime_rss) / GB
         estimate = self.dist.max_over_ranks(estimate)
         if estimate > 0:
