@@ -224,6 +224,13 @@ def test_padded_and_packed_rows_reach_attention_as_sequences_not_a_mask():
                        if isinstance(v, torch.Tensor))
     whole = _global_layout(ids, torch.ones_like(prompt_mask), ids, torch.ones(2, t // 2), False)
     assert SEGMENTS_KWARG not in shard_sequence(_Mesh(2, 0), *whole).model_kwargs()
+    # a sequence with a hole in its attention (no layout makes one today) is refused, not
+    # attended across
+    input_ids, positions, valid, wanted = whole
+    valid = valid.clone()
+    valid[0, 10:20] = False
+    with pytest.raises(ValueError, match=r"row 0 has a sequence with gaps .* \(columns 0..4095\)"):
+        shard_sequence(_Mesh(2, 0), input_ids, positions, valid, wanted)
 
 
 def test_config_and_model_checks_name_the_key():

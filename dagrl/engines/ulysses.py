@@ -214,14 +214,14 @@ def _segments(position_ids: torch.Tensor, valid: torch.Tensor) -> list[list[tupl
     out = []
     for b in range(valid.shape[0]):
         columns = valid[b].bool().nonzero().flatten()                  # real tokens of row b
-        ids, counts = torch.unique_consecutive(sequence[b, columns], return_counts=True)
+        _, counts = torch.unique_consecutive(sequence[b, columns], return_counts=True)
         ends = counts.cumsum(0)
         spans = []
         for first, n in zip((ends - counts).tolist(), counts.tolist(), strict=True):
             start, end = int(columns[first]), int(columns[first + n - 1]) + 1
             if end - start != n:
                 raise ValueError(f"sequence parallelism: row {b} has a sequence with gaps in its "
-                                 "attention mask (columns {start}..{end - 1}); it needs each "
+                                 f"attention mask (columns {start}..{end - 1}); it needs each "
                                  "sequence's tokens side by side")
             spans.append((start, end))
         out.append(spans)
