@@ -2,7 +2,7 @@
 for dagrl's multi-controller data path beside a single controller (the verl pattern).
 
     dagrl bench scale                        # model from benchmarks/scale_calibration.json
-    dagrl bench scale --calibrate            # measure this machine first (~10-15 min)
+    dagrl bench scale --calibrate            # measure this machine first (~7-15 min)
     dagrl bench scale --quick                # fewer devices and replicates (the test's mode)
     dagrl bench scale --workload params=70e9,layers=80,hidden=8192 --hw link_efficiency=0.6
     dagrl bench scale --plot docs/scaling.svg --json runs/scale.json

@@ -254,6 +254,11 @@ def calibrate(path: Path, rounds: int = 3) -> dict:
     data["fsdp_overhead"] = scale_measure.fsdp_overhead(
         {"hidden": HIDDEN, "layers": LAYERS, "samples": PROMPTS_PER_WORKER * SAMPLES,
          "seq": 8 + CHECK_CAP})
+    print("[scale] time-sharing of the cores by more processes than cores ...", file=sys.stderr,
+          flush=True)
+    data["time_sharing"] = scale_measure.time_sharing(
+        {"hidden": HIDDEN, "layers": LAYERS, "samples": PROMPTS_PER_WORKER * SAMPLES,
+         "seq": 8 + CHECK_CAP})
     print("[scale] single-controller driver emulation (Ray) ...", file=sys.stderr, flush=True)
     data["driver"] = scale_measure.driver_emulation()
     data["machine"]["load_end"] = os.getloadavg()

@@ -139,7 +139,16 @@ def fit_costs(cal: dict) -> Costs:
         step_overhead_s=cal["step_overhead"]["seconds"] / contention(cal["step_overhead"]["cpu"]),
         fsdp_workers=tuple(cal["fsdp_overhead"]["workers"]),
         fsdp_forward_overhead_s=tuple(cal["fsdp_overhead"]["forward_s"]),
-        fsdp_update_overhead_s=tuple(cal["fsdp_overhead"]["update_s"]))
+        fsdp_update_overhead_s=tuple(cal["fsdp_overhead"]["update_s"]),
+        # calibrations before 2026-11-25 (third session) did not measure it: ideal sharing
+        **_sharing(cal.get("time_sharing")))
+
+
+def _sharing(measured: dict | None) -> dict:
+    if not measured:
+        return {}
+    return {"sharing_ratios": tuple(measured["ratios"]),
+            "sharing_excess": {k: tuple(measured[k]) for k in ("update", "forward", "decode")}}
 
 
 def fit_driver(cal: dict) -> DriverCosts:
@@ -224,5 +233,10 @@ def describe_costs(costs: Costs, hw: Hardware) -> list[str]:
             "  FSDP2's CPU work per worker (CPU workers only): " + ", ".join(
                 f"{w} workers: forward +{f * 1e3:.0f} ms, update +{u * 1e3:.0f} ms"
                 for w, f, u in zip(costs.fsdp_workers, costs.fsdp_forward_overhead_s,
-                                   costs.fsdp_update_overhead_s, strict=True))]
+                                   costs.fsdp_update_overhead_s, strict=True)),
+            "  time-sharing beyond P / cores (one-thread processes, no collectives), at P / cores "
+            + ", ".join(f"{r:g}" for r in costs.sharing_ratios) + ": " + "; ".join(
+                f"{kind} " + ", ".join(f"x{v:.2f}" for v in values)
+                for kind, values in costs.sharing_excess.items())
+            if costs.sharing_excess else "  time-sharing: not measured (ideal P / cores)"]
 

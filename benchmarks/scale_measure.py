@@ -24,6 +24,7 @@ import statistics
 import tempfile
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -203,6 +204,67 @@ def fsdp_overhead(shape: dict, worlds=(1, 2, 4), repeats: int = 7) -> dict:
             "workers": [w for w in worlds if w > 1],
             "forward_s": [per[w]["forward"] - base["forward"] for w in worlds if w > 1],
             "update_s": [per[w]["update"] - base["update"] for w in worlds if w > 1]}
+
+
+def _sharing_worker(rank: int, kind: str, shape: dict, seconds: float, out: str) -> None:
+    """Wall seconds per op of the calibration model in this process (one thread, no process
+    group): an update, a no-grad forward, or a decode-like loop of small forwards."""
+    torch.set_num_threads(1)
+    from transformers import AutoModelForCausalLM
+
+    from dagrl.engines.models import build_char_tokenizer, tiny_model_config
+
+    vocab = len(build_char_tokenizer())
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_model_config(
+        "tiny-qwen2", vocab, shape["hidden"], shape["layers"]))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, vocab, (shape["samples"], shape["seq"]))
+
+    def update() -> None:
+        model(ids).logits.float().log_softmax(-1).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(ids).logits.float().log_softmax(-1)
+
+    def decode() -> None:       # one row-batch of 8-token windows, 32 times: small matmuls
+        with torch.no_grad():
+            for _ in range(32):
+                model(ids[:4, :8])
+
+    op = {"update": update, "forward": forward, "decode": decode}[kind]
+    op()
+    n, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        op()
+        n += 1
+    with open(f"{out}.{rank}", "w") as f:
+        f.write(str((time.perf_counter() - start) / n))
+
+
+def time_sharing(shape: dict, counts=(2, 4), seconds: float = 3.0) -> dict:
+    """How this host time-shares the model's own work when more one-thread processes run
+    than it has cores: for each kind of pass, the wall time per op of `k` independent
+    processes at once over a solo process's, divided by the ideal max(1, k / cores). No
+    collectives and no dagrl run: an input to the model, independent of the measured runs it
+    is checked against. (Large matmuls time-share ideally; small-op work loses more to
+    switching.)"""
+    cores = os.cpu_count() or 1
+    out: dict = {"cores": cores, "ratios": [k / cores for k in counts]}
+    for kind in ("update", "forward", "decode"):
+        per_count = {}
+        for k in (1, *counts):
+            with tempfile.TemporaryDirectory() as tmp:
+                base = os.path.join(tmp, "t")
+                mp.start_processes(_sharing_worker, args=(kind, shape, seconds, base), nprocs=k,
+                                   join=True, start_method="spawn")
+                per_count[k] = statistics.median(
+                    float(Path(f"{base}.{r}").read_text()) for r in range(k))
+        out[kind] = [per_count[k] / per_count[1] / max(1.0, k / cores) for k in counts]
+    return out
 
 
 # --- the single controller's driver ------------------------------------------------------------

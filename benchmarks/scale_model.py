@@ -120,6 +120,11 @@ class Costs:
     fsdp_workers: tuple[int, ...] = ()
     fsdp_forward_overhead_s: tuple[float, ...] = ()
     fsdp_update_overhead_s: tuple[float, ...] = ()
+    # How much slower than ideal time-sharing (max(1, P / cores)) a pass runs when P one-thread
+    # processes outnumber the host's cores, at these P / cores ratios, per kind of pass
+    # (measured on this machine; host presets only, see Model._slowdown). Empty: ideal.
+    sharing_ratios: tuple[float, ...] = ()
+    sharing_excess: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n = len(self.fsdp_workers)
@@ -128,8 +133,12 @@ class Costs:
                                 "need one value per costs.fsdp_workers entry")
         if any(w < 2 for w in self.fsdp_workers):
             raise WorkloadError(f"costs.fsdp_workers must be >= 2 (got {self.fsdp_workers})")
+        for kind, values in self.sharing_excess.items():
+            if len(values) != len(self.sharing_ratios) or any(v <= 0 for v in values):
+                raise WorkloadError(f"costs.sharing_excess[{kind!r}] needs one value > 0 per "
+                                    "costs.sharing_ratios entry")
         for key, value in asdict(self).items():
-            if key.startswith("fsdp_"):
+            if key.startswith(("fsdp_", "sharing_")):
                 continue
             if key.startswith("eta_") and not 0 < value <= 1:
                 raise WorkloadError(f"costs.{key} must be in (0, 1] (got {value})")
@@ -249,13 +258,21 @@ class Model:
         self.o = options or Options()
 
     # per-device compute -----------------------------------------------------------------------
-    def _slowdown(self, p: int) -> float:
+    def _slowdown(self, p: int, kind: str = "") -> float:
         """Workers that share host cores (the local preset) run slower when they outnumber
-        them; accelerators each have their own compute."""
-        return max(1.0, p / self.hw.host_cores) if self.hw.host_cores else 1.0
+        them: P / cores, times what this host's time-sharing measurably adds for `kind` of
+        pass (Costs.sharing_excess); accelerators each have their own compute."""
+        if not self.hw.host_cores:
+            return 1.0
+        ratio = p / self.hw.host_cores
+        excess = self.c.sharing_excess.get(kind)
+        # one process alone is the reference (excess 1); between the measured ratios, linear
+        extra = (float(np.interp(ratio, (1.0 / self.hw.host_cores, *self.c.sharing_ratios),
+                                 (1.0, *excess))) if excess and p > 1 else 1.0)
+        return max(1.0, ratio) * extra
 
-    def _rate(self, eta: float, p: int) -> float:
-        return eta * self.hw.flops / self._slowdown(p)
+    def _rate(self, eta: float, p: int, kind: str) -> float:
+        return eta * self.hw.flops / self._slowdown(p, kind)
 
     def rollout_s(self, lengths: np.ndarray, p: int) -> float:
         """Prefill once per prompt (a group shares it) plus decode until the longest response
@@ -265,8 +282,9 @@ class Model:
         decode = decode_flops(w, lengths)
         row_step = decode / max(1, int(lengths.sum()))     # FLOPs of one row-step
         fixed = c.decode_fixed_rows * int(lengths.max()) * row_step
-        compute = (decode + fixed) / self._rate(c.eta_decode, p)
-        return prefill / self._rate(c.eta_forward, p) + max(compute, self.decode_memory_s(lengths))
+        compute = (decode + fixed) / self._rate(c.eta_decode, p, "decode")
+        return (prefill / self._rate(c.eta_forward, p, "forward")
+                + max(compute, self.decode_memory_s(lengths)))
 
     def decode_memory_s(self, lengths: np.ndarray) -> float:
         """Decode's memory traffic at the device's memory bandwidth: the weights once per
@@ -397,7 +415,7 @@ class Model:
         longest = max(int(x.max()) for x in lengths)
         balanced = float(np.mean([forward_flops(w, x, longest) for x in lengths]))
         if w.ref:
-            compute = [(balanced if early else f) / self._rate(c.eta_forward, p)
+            compute = [(balanced if early else f) / self._rate(c.eta_forward, p, "forward")
                        + self.fsdp_host_s(p, "forward") for f in fwd]
             ref = [sim.add("ref forward", "forward", [dev], compute[i], deps=(ready[i],))
                    for i, dev in enumerate(devs)]
@@ -423,7 +441,8 @@ class Model:
             ready = [sim.add("balance all_to_all", "all_to_all", devs,
                              self._balance_s(p, moved), deps=adv)] * p
 
-        compute_s = 3.0 * balanced / self._rate(c.eta_update, p) + self.fsdp_host_s(p, "update")
+        compute_s = (3.0 * balanced / self._rate(c.eta_update, p, "update")
+                     + self.fsdp_host_s(p, "update"))
         upd = [sim.add("actor update", "update", [dev], compute_s, deps=(ready[i],))
                for i, dev in enumerate(devs)]
         tokens = w.samples * w.prompt_len + float(np.mean(resp))

@@ -245,6 +245,24 @@ def test_fsdp_host_work_is_interpolated_and_only_charged_to_host_workers():
         replace(COSTS, fsdp_workers=(2,))
 
 
+def test_measured_time_sharing_multiplies_the_host_slowdown_per_kind_of_pass():
+    costs = replace(COSTS, sharing_ratios=(1.0, 2.0),
+                    sharing_excess={"update": (1.0, 1.1), "decode": (1.05, 1.2)})
+    cpu = with_overrides(NVLINK_IB, {"host_cores": 2})
+    model = Model(_model().w, cpu, costs, DRIVER)
+    assert model._slowdown(1, "decode") == 1.0                     # one process: the reference
+    assert model._slowdown(2, "decode") == pytest.approx(1.05)     # measured at P / cores = 1
+    assert model._slowdown(4, "update") == pytest.approx(2 * 1.1)
+    assert model._slowdown(3, "decode") == pytest.approx(1.5 * 1.125)   # between the two
+    assert model._slowdown(4, "forward") == 2.0                    # not measured: ideal
+    accel = Model(_model().w, NVLINK_IB, costs, DRIVER)            # its own compute per device
+    assert accel._slowdown(4, "update") == 1.0
+    assert model.rollout_s(np.full(8, 16), 4) > Model(_model().w, cpu, COSTS,
+                                                      DRIVER).rollout_s(np.full(8, 16), 4)
+    with pytest.raises(WorkloadError, match="one value > 0 per costs.sharing_ratios"):
+        replace(COSTS, sharing_ratios=(1.0,), sharing_excess={"update": (1.0, 1.1)})
+
+
 def test_watch_cpu_follows_a_process_tree_and_its_logged_steps(tmp_path):
     import subprocess
     import sys
