@@ -113,16 +113,11 @@ class ModelShape:
 
 def model_config(cfg: Config):
     """The configured model's HF config (config.json or the GGUF header; no weights read)."""
-    from transformers import AutoConfig
-
     m = cfg.model
     if m.path.startswith(BUILTIN_PREFIX) and m.path[len(BUILTIN_PREFIX):] in TINY_FAMILIES:
         return tiny_model_config(m.path[len(BUILTIN_PREFIX):], len(build_char_tokenizer()),
                                  m.tiny_hidden_size, m.tiny_layers)
-    path = resolve_builtin_model(m.path, "", hidden_size=m.tiny_hidden_size,
-                                 layers=m.tiny_layers, seed=cfg.trainer.seed)
-    kwargs = {"gguf_file": m.gguf_file} if m.gguf_file else {}
-    return AutoConfig.from_pretrained(path, local_files_only=True, **kwargs)
+    return _config_at(m.path, m.gguf_file)
 
 
 def model_shape(cfg: Config) -> ModelShape:
@@ -131,6 +126,8 @@ def model_shape(cfg: Config) -> ModelShape:
 
 
 def _config_at(path: str, gguf_file: str):
+    """The HF config of a model directory, an installed package's model, or the built-in tiny
+    reward model (no weights read)."""
     from transformers import AutoConfig
 
     if path == BUILTIN_PREFIX + TINY_RM:

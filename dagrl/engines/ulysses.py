@@ -115,7 +115,7 @@ def _segment_attention(module: torch.nn.Module, q: torch.Tensor, k: torch.Tensor
     (padding: no caller reads it). q, k, v [B, h, T, d] -> [B, T, h, d]. Nothing of size
     [T, T] is built: the kernel's is_causal does the masking (a packed row of several
     sequences is several calls)."""
-    batch, heads, total, dim = q.shape
+    _, heads, total, dim = q.shape
     rows = []
     for b, spans in enumerate(segments):
         pieces, at = [], 0
