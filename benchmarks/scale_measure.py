@@ -130,6 +130,42 @@ def fit_alpha_beta(rows: list[dict]) -> dict:
 
 
 # --- FSDP2's own cost on CPU workers --------------------------------------------------------
+def _calibration_passes(shape: dict, world: int = 1) -> dict:
+    """The calibration model (a tiny Qwen2 of `shape`), sharded with dagrl's shard_model over
+    `world` gloo processes when > 1, and its passes on one batch: `forward` (no grad: the
+    reference), `update` (forward, backward, grad-norm clip, AdamW step) and `decode` (a
+    decode-like loop of small forwards: 32 forwards of 4 rows x 8 tokens)."""
+    from transformers import AutoModelForCausalLM
+
+    from dagrl.engines.models import build_char_tokenizer, tiny_model_config
+    from dagrl.engines.sharding import shard_model
+
+    vocab = len(build_char_tokenizer())
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_model_config(
+        "tiny-qwen2", vocab, shape["hidden"], shape["layers"]))
+    model = shard_model(model, world, "cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ids = torch.randint(0, vocab, (shape["samples"], shape["seq"]))
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(ids).logits.float().log_softmax(-1)
+
+    def update() -> None:
+        model(ids).logits.float().log_softmax(-1).mean().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+
+    def decode() -> None:
+        with torch.no_grad():
+            for _ in range(32):
+                model(ids[:4, :8])
+
+    return {"forward": forward, "update": update, "decode": decode}
+
+
 def _fsdp_worker(rank: int, world: int, port: int, shape: dict, repeats: int, out: str) -> None:
     """Per iteration, this process's CPU seconds for a forward pass (no grad: the reference)
     and an update (forward, backward, grad-norm clip, AdamW step) of the calibration model,
@@ -145,31 +181,10 @@ def _fsdp_worker(rank: int, world: int, port: int, shape: dict, repeats: int, ou
         dist.init_process_group("gloo", rank=rank, world_size=world,
                                 timeout=timedelta(minutes=5))
     try:
-        from transformers import AutoModelForCausalLM
-
-        from dagrl.engines.models import build_char_tokenizer, tiny_model_config
-        from dagrl.engines.sharding import shard_model
-
-        vocab = len(build_char_tokenizer())
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(tiny_model_config(
-            "tiny-qwen2", vocab, shape["hidden"], shape["layers"]))
-        model = shard_model(model, world, "cpu")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        ids = torch.randint(0, vocab, (shape["samples"], shape["seq"]))
-
-        def forward() -> None:
-            with torch.no_grad():
-                model(ids).logits.float().log_softmax(-1)
-
-        def update() -> None:
-            model(ids).logits.float().log_softmax(-1).mean().backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
-
+        ops = _calibration_passes(shape, world)
         rows = {}
-        for name, op in (("forward", forward), ("update", update)):
+        for name in ("forward", "update"):
+            op = ops[name]
             op()   # warm-up
             times = []
             for _ in range(repeats):
@@ -210,32 +225,8 @@ def _sharing_worker(rank: int, kind: str, shape: dict, seconds: float, out: str)
     """Wall seconds per op of the calibration model in this process (one thread, no process
     group): an update, a no-grad forward, or a decode-like loop of small forwards."""
     torch.set_num_threads(1)
-    from transformers import AutoModelForCausalLM
-
-    from dagrl.engines.models import build_char_tokenizer, tiny_model_config
-
-    vocab = len(build_char_tokenizer())
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_model_config(
-        "tiny-qwen2", vocab, shape["hidden"], shape["layers"]))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    ids = torch.randint(0, vocab, (shape["samples"], shape["seq"]))
-
-    def update() -> None:
-        model(ids).logits.float().log_softmax(-1).mean().backward()
-        opt.step()
-        opt.zero_grad()
-
-    def forward() -> None:
-        with torch.no_grad():
-            model(ids).logits.float().log_softmax(-1)
-
-    def decode() -> None:       # one row-batch of 8-token windows, 32 times: small matmuls
-        with torch.no_grad():
-            for _ in range(32):
-                model(ids[:4, :8])
-
-    op = {"update": update, "forward": forward, "decode": decode}[kind]
+    ops = _calibration_passes(shape)
+    op = ops[kind]
     op()
     n, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
