@@ -5,7 +5,7 @@
     dagrl plan  --format dot|svg [--out FILE]   # ... drawn (Graphviz DOT, or SVG)
     dagrl plan  --memory [CONFIG] [key=value]   # ... and each rank's memory, estimated
     dagrl report RUN_DIR                        # RUN_DIR/report.html: plots, DAG, config, trace
-    dagrl data make arith --out DIR [--seed S]  # the default task as verl-layout parquet
+    dagrl data make NAME --out DIR [key=value]  # a built-in task as verl-layout parquet
     dagrl export CHECKPOINT|RUN_DIR --out DIR   # a checkpoint's actor as a HF model directory
     dagrl bench dataplane [--workers 2,4,8] ... # our reshard vs a single-controller emulation
     dagrl bench learning [--algorithms all]     # reward early vs late for every algorithm
@@ -112,17 +112,49 @@ def report_main(argv: Sequence[str]) -> int:
     return 0
 
 
+def maker_options(maker, pairs: Sequence[str]) -> dict:
+    """`["steps=1", "n_train=512"]` -> keyword arguments of `maker`, each converted to the type
+    of the maker's default for it; an unknown key or a bad value names the key."""
+    import inspect
+
+    defaults = {name: p.default for name, p in inspect.signature(maker).parameters.items()
+                if p.kind is inspect.Parameter.KEYWORD_ONLY and name != "seed"}
+    options = {}
+    for pair in pairs:
+        key, sep, text = pair.partition("=")
+        if not sep or key not in defaults:
+            raise ValueError(f"{pair!r}: give options as key=value with key one of "
+                             f"{', '.join(defaults)}")
+        kind = type(defaults[key])
+        try:
+            options[key] = kind(text)
+        except ValueError as err:
+            raise ValueError(f"{key}={text!r} is not {kind.__name__}") from err
+    return options
+
+
 def data_main(argv: Sequence[str]) -> int:
     from dagrl.data.makers import MAKERS
 
     parser = argparse.ArgumentParser(prog="dagrl data")
     sub = parser.add_subparsers(dest="action", required=True)
-    make = sub.add_parser("make", help="write a built-in dataset as train/test parquet")
+    make = sub.add_parser("make", help="write a built-in dataset as train/test parquet",
+                          epilog="e.g. dagrl data make gsm8k-synth --out data/gsm8k-1step "
+                                 "steps=1 instruction=' Answer with the number only.'")
     make.add_argument("name", choices=sorted(MAKERS))
     make.add_argument("--out", required=True, help="output directory")
     make.add_argument("--seed", type=int, default=0)
-    ns = parser.parse_args(argv)
-    paths = MAKERS[ns.name](ns.out, seed=ns.seed)
+    make.add_argument("options", nargs="*", metavar="key=value",
+                      help="the maker's options (gsm8k-synth: n_train, n_test, max_number, "
+                           "steps, instruction, ...)")
+    # key=value pairs may come after --out, where argparse no longer takes positionals
+    ns, rest = parser.parse_known_args(argv)
+    try:
+        paths = MAKERS[ns.name](ns.out, seed=ns.seed, **maker_options(MAKERS[ns.name],
+                                                                      ns.options + rest))
+    except ValueError as err:
+        print(f"error: dagrl data make {ns.name}: {err}", file=sys.stderr)
+        return 2
     for split, path in paths.items():
         print(f"{split}: {path}")
     return 0

@@ -38,7 +38,32 @@ def test_layout_is_verls_gsm8k_and_every_worked_answer_is_right(tmp_path):
                                                              for r in test}
     # Every template is used, none dominates.
     first_words = Counter(r["extra_info"]["answer"].split("\n")[0].split(" ")[1] for r in train)
-    assert len(first_words) >= len(TEMPLATES) - 3
+    assert len(first_words) >= sum(n >= 2 for n, _ in TEMPLATES) - 3
+
+
+@pytest.mark.parametrize("steps, counts", [("1", {1}), ("2,3", {2, 3}), ("1,2,3", {1, 2, 3})])
+def test_steps_picks_the_problems_levels(tmp_path, steps, counts):
+    paths = make_gsm8k_synth(tmp_path, n_train=300, n_test=20, steps=steps,
+                             instruction=" Answer with the number only.")
+    rows = pq.read_table(paths["train"]).to_pylist() + pq.read_table(paths["test"]).to_pylist()
+    seen = set()
+    for row in rows:
+        notes = STEP.findall(row["extra_info"]["answer"])
+        seen.add(len(notes))
+        for expression, value in notes:
+            assert eval(expression) == int(value)  # noqa: S307
+        assert notes[-1][1] == row["reward_model"]["ground_truth"]
+        assert row["prompt"][0]["content"] == (row["extra_info"]["question"]
+                                               + " Answer with the number only.")
+    assert seen == counts
+
+
+def test_the_default_level_is_unchanged_by_the_new_levels(tmp_path):
+    # steps="2,3" draws from the same templates in the same order as before one-step ones
+    # existed: a seed keeps giving the same problems.
+    paths = make_gsm8k_synth(tmp_path, n_train=4, n_test=1)
+    [first] = pq.read_table(paths["test"]).to_pylist()
+    assert first["extra_info"]["question"].startswith("Zoe bakes 5 trays of 3 cookies.")
 
 
 def test_seeded(tmp_path):
@@ -51,7 +76,25 @@ def test_seeded(tmp_path):
 
 @pytest.mark.parametrize("kwargs, name", [({"n_train": 0}, "n_train"),
                                           ({"max_number": 1}, "max_number"),
-                                          ({"seed": -1}, "seed")])
+                                          ({"seed": -1}, "seed"),
+                                          ({"steps": "4"}, "steps='4'"),
+                                          ({"steps": "1,x"}, "steps='1,x'"),
+                                          ({"steps": ""}, "steps=''")])
 def test_bad_arguments_name_the_argument(tmp_path, kwargs, name):
     with pytest.raises(ValueError, match=name):
         make_gsm8k_synth(tmp_path, **kwargs)
+
+
+def test_data_make_takes_the_makers_options(tmp_path, capsys):
+    from dagrl.cli import data_main
+
+    assert data_main(["make", "gsm8k-synth", "--out", str(tmp_path), "n_train=8", "n_test=2",
+                      "steps=1", "instruction= Answer with the number only."]) == 0
+    rows = pq.read_table(tmp_path / "train.parquet").to_pylist()
+    assert len(rows) == 8
+    assert all(r["prompt"][0]["content"].endswith(" Answer with the number only.") for r in rows)
+    assert all(len(STEP.findall(r["extra_info"]["answer"])) == 1 for r in rows)
+    assert data_main(["make", "gsm8k-synth", "--out", str(tmp_path), "n_train=eight"]) == 2
+    assert "n_train='eight' is not int" in capsys.readouterr().err
+    assert data_main(["make", "gsm8k-synth", "--out", str(tmp_path), "stepz=1"]) == 2
+    assert "'stepz=1': give options as key=value with key one of" in capsys.readouterr().err

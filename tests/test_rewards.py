@@ -81,6 +81,29 @@ def test_gsm8k_strict_and_flexible_as_verl(resp, gt, strict, flexible):
     assert SCORERS.get("gsm8k_flexible")(resp, gt, None) == flexible
 
 
+@pytest.mark.parametrize(
+    "resp, gt, score",
+    [
+        ("So the answer is 8.", "8", 1.0),       # verl's flexible extracts "8." -> 0
+        ("#### 42.00", "42", 1.0),
+        ("It costs $1,234.", "1234", 1.0),
+        ("#### -3", "-3", 1.0),
+        ("#### 3", "-3", 0.0),
+        ("8 apples, then 9.", "8", 0.0),          # the last number counts
+        ("no number here", "8", 0.0),
+        ("version 1.2.3", "1", 0.0),             # not a number: no answer
+        ("the answer is 42" + " pad" * 100, "42", 0.0),   # the last 300 characters only
+    ],
+)
+def test_gsm8k_numeric_compares_the_last_number_by_value(resp, gt, score):
+    assert SCORERS.get("gsm8k_numeric")(resp, gt, None) == score
+
+
+def test_gsm8k_numeric_names_a_ground_truth_that_is_not_a_number():
+    with pytest.raises(ValueError, match="gsm8k_numeric: ground truth 'x'"):
+        SCORERS.get("gsm8k_numeric")("8", "x", None)
+
+
 def test_reward_scorer_scores_every_sample_with_one_scorer():
     manager = RewardManager(scorer="gsm8k_flexible")
     result = manager.score(["it is 7", "#### 7"], ["arith", "openai/gsm8k"], ["7", "7"],

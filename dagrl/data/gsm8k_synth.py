@@ -13,7 +13,11 @@ verl's `examples/data_preprocess/gsm8k.py` lays out the real one:
 so a user's real GSM8K parquet files load and score unchanged. Every answer is a non-negative
 integer, every intermediate value too (no fractions, no negative counts).
 
+`gsm8k-synth-1step` is the same maker at one arithmetic step per problem with the instruction
+"Answer with the number only." instead of verl's: the level a ~100M-parameter model learns.
+
     dagrl data make gsm8k-synth --out data/gsm8k-synth
+    dagrl data make gsm8k-synth-1step --out data/gsm8k-1step
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from dagrl.data.parquet_write import check_int, write_parquet_atomic
 
 # The instruction verl's GSM8K preprocessing appends to every question.
 INSTRUCTION = " Let's think step by step and output the final answer after \"####\"."
+# The one-step level's: a 135M model told to think step by step rambles past its token budget.
+SHORT_INSTRUCTION = " Answer with the number only."
 
 _SCHEMA = pa.schema([
     ("data_source", pa.string()),
@@ -157,16 +163,70 @@ def _rows_of_plants(r: random.Random, hi: int) -> tuple[_Problem, int]:
     return p, p.step("In all there are", f"{all_rows}*{per_row}", all_rows * per_row)
 
 
-TEMPLATES: list[Callable[[random.Random, int], tuple[_Problem, int]]] = [
-    _packs_given_away, _hourly_pay, _change_back, _pages_left, _ages, _share_then_buy,
-    _bake_and_bag, _savings_weeks, _rows_of_plants]
+# One-step problems: the `steps=1` level, for models too small to learn GSM8K's two- and
+# three-step kind (SmolLM2-135M answers ~2% of those greedily, ~20% of these with the short
+# instruction: enough right samples for GRPO to learn from).
+def _buys_more(r: random.Random, hi: int) -> tuple[_Problem, int]:
+    name, item = r.choice(NAMES), r.choice(ITEMS)
+    have, more = r.randint(2, 4 * hi), r.randint(2, 4 * hi)
+    p = _Problem(f"{name} has {have} {item}. {name} buys {more} more {item}. How many {item} "
+                 f"does {name} have now?")
+    return p, p.step(f"{name} has", f"{have}+{more}", have + more)
 
 
-def _rows(problems: list[tuple[_Problem, int]], split: str) -> dict[str, list]:
+def _gives_away(r: random.Random, hi: int) -> tuple[_Problem, int]:
+    name, friend, item = *r.sample(NAMES, 2), r.choice(ITEMS)
+    have = r.randint(5, 5 * hi)
+    gift = r.randint(1, have - 1)
+    p = _Problem(f"{name} has {have} {item} and gives {gift} of them to {friend}. How many "
+                 f"{item} does {name} have left?")
+    return p, p.step(f"{name} has left", f"{have}-{gift}", have - gift)
+
+
+def _boxes_in_all(r: random.Random, hi: int) -> tuple[_Problem, int]:
+    name, item, box = r.choice(NAMES), r.choice(ITEMS), r.choice(CONTAINERS)
+    packs, per = r.randint(2, 9), r.randint(2, hi)
+    p = _Problem(f"{name} has {packs} {box} of {item} with {per} {item} in each. How many "
+                 f"{item} does {name} have in all?")
+    return p, p.step("In all there are", f"{packs}*{per}", packs * per)
+
+
+def _equal_shares(r: random.Random, hi: int) -> tuple[_Problem, int]:
+    name, item = r.choice(NAMES), r.choice(ITEMS)
+    friends, each = r.randint(2, 6), r.randint(2, hi)
+    p = _Problem(f"{name} shares {friends * each} {item} equally among {friends} friends. How "
+                 f"many {item} does each friend get?")
+    return p, p.step("Each friend gets", f"{friends * each}/{friends}", each)
+
+
+def _one_day_pay(r: random.Random, hi: int) -> tuple[_Problem, int]:
+    name, rate, hours = r.choice(NAMES), r.randint(5, hi + 5), r.randint(2, 9)
+    p = _Problem(f"{name} earns ${rate} an hour and works {hours} hours. How many dollars does "
+                 f"{name} earn?")
+    return p, p.step(f"{name} earns", f"{hours}*{rate}", hours * rate)
+
+
+def _age_later(r: random.Random, hi: int) -> tuple[_Problem, int]:
+    name, age, years = r.choice(NAMES), r.randint(3, 12), r.randint(2, hi)
+    p = _Problem(f"{name} is {age} years old. How old will {name} be in {years} years?")
+    return p, p.step(f"In {years} years {name} will be", f"{age}+{years}", age + years)
+
+
+# Each template with its number of arithmetic steps (the `steps` option picks levels). The
+# order is fixed: a seed gives the same problems for the same `steps`.
+TEMPLATES: list[tuple[int, Callable[[random.Random, int], tuple[_Problem, int]]]] = [
+    (2, _packs_given_away), (2, _hourly_pay), (2, _change_back), (2, _pages_left), (2, _ages),
+    (2, _share_then_buy), (3, _bake_and_bag), (2, _savings_weeks), (2, _rows_of_plants),
+    (1, _buys_more), (1, _gives_away), (1, _boxes_in_all), (1, _equal_shares),
+    (1, _one_day_pay), (1, _age_later)]
+
+
+def _rows(problems: list[tuple[_Problem, int]], split: str,
+          instruction: str) -> dict[str, list]:
     cols: dict[str, list] = {name: [] for name in _SCHEMA.names}
     for index, (p, answer) in enumerate(problems):
         cols["data_source"].append("openai/gsm8k")
-        cols["prompt"].append([{"role": "user", "content": p.question + INSTRUCTION}])
+        cols["prompt"].append([{"role": "user", "content": p.question + instruction}])
         cols["ability"].append("math")
         cols["reward_model"].append({"style": "rule", "ground_truth": str(answer)})
         cols["extra_info"].append({"split": split, "index": index,
@@ -175,13 +235,26 @@ def _rows(problems: list[tuple[_Problem, int]], split: str) -> dict[str, list]:
 
 
 def make_gsm8k_synth(out_dir: str | Path, *, seed: int = 0, n_train: int = 4096,
-                     n_test: int = 256, max_number: int = 12,
+                     n_test: int = 256, max_number: int = 12, steps: str = "2,3",
+                     instruction: str = INSTRUCTION,
                      row_group_size: int = 256) -> dict[str, Path]:
     """Write `train.parquet` (n_train rows) and `test.parquet` (n_test rows, no question shared
-    with train) of seeded word problems; `max_number` bounds the numbers a template draws."""
+    with train) of seeded word problems; `max_number` bounds the numbers a template draws and
+    `steps` lists the numbers of arithmetic steps a problem may take ("2,3": GSM8K's kind, the
+    default; "1": one-step problems for very small models; "1,2,3": all). `instruction` is
+    appended to every question (verl's by default)."""
     for key, value, low in (("seed", seed, 0), ("n_train", n_train, 1), ("n_test", n_test, 0),
                             ("max_number", max_number, 3), ("row_group_size", row_group_size, 1)):
         check_int(key, value, low)
+    levels = {n for n, _ in TEMPLATES}
+    try:
+        wanted = {int(part) for part in str(steps).split(",")}
+    except ValueError:
+        wanted = set()
+    if not wanted or not wanted <= levels:
+        raise ValueError(f"gsm8k-synth: steps={steps!r} must list step counts from "
+                         f"{sorted(levels)} separated by commas, e.g. '2,3' or '1'")
+    templates = [make for n, make in TEMPLATES if n in wanted]
     r = random.Random(seed)
     seen: set[str] = set()
     problems: list[tuple[_Problem, int]] = []
@@ -191,7 +264,7 @@ def make_gsm8k_synth(out_dir: str | Path, *, seed: int = 0, n_train: int = 4096,
         if attempts > 50 * (n_train + n_test):
             raise ValueError(f"gsm8k-synth: only {len(problems)} distinct problems for "
                              f"n_train + n_test = {n_train + n_test}; raise max_number")
-        problem, answer = r.choice(TEMPLATES)(r, max_number)
+        problem, answer = r.choice(templates)(r, max_number)
         if problem.question not in seen:
             seen.add(problem.question)
             problems.append((problem, answer))
@@ -199,7 +272,19 @@ def make_gsm8k_synth(out_dir: str | Path, *, seed: int = 0, n_train: int = 4096,
     out.mkdir(parents=True, exist_ok=True)
     paths = {}
     for split, rows in (("train", problems[n_test:]), ("test", problems[:n_test])):
-        table = pa.Table.from_pydict(_rows(rows, split), schema=_SCHEMA)
+        table = pa.Table.from_pydict(_rows(rows, split, instruction), schema=_SCHEMA)
         paths[split] = write_parquet_atomic(table, out / f"{split}.parquet",
                                             row_group_size=row_group_size)
     return paths
+
+
+def make_gsm8k_synth_1step(out_dir: str | Path, *, seed: int = 0, n_train: int = 4096,
+                           n_test: int = 256, max_number: int = 12,
+                           instruction: str = SHORT_INSTRUCTION,
+                           row_group_size: int = 256) -> dict[str, Path]:
+    """`gsm8k-synth-1step`: `make_gsm8k_synth` at steps="1" with the short instruction — the
+    level a ~100M-parameter model learns from with GRPO in 100 CPU steps (docs/performance.md:
+    SmolLM2-135M answers ~20% of these greedily before training, ~2% of the default level)."""
+    return make_gsm8k_synth(out_dir, seed=seed, n_train=n_train, n_test=n_test,
+                            max_number=max_number, steps="1", instruction=instruction,
+                            row_group_size=row_group_size)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from dagrl.data.agent_tasks import make_guess_number, make_tool_calc
-from dagrl.data.gsm8k_synth import make_gsm8k_synth
+from dagrl.data.gsm8k_synth import make_gsm8k_synth, make_gsm8k_synth_1step
 from dagrl.data.parquet_write import check_int, write_parquet_atomic
 
 ARITH_OPS = "+-*"
@@ -118,5 +118,6 @@ def make_arith(
 
 MAKERS: dict[str, Callable[..., dict[str, Path]]] = {"arith": make_arith,
                                                     "gsm8k-synth": make_gsm8k_synth,
+                                                    "gsm8k-synth-1step": make_gsm8k_synth_1step,
                                                     "tool-calc": make_tool_calc,
                                                     "guess-number": make_guess_number}

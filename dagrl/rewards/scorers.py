@@ -125,6 +125,37 @@ def gsm8k_flexible_score(solution_str: str, ground_truth: str,
     return float(answer is not None and answer == str(ground_truth).strip())
 
 
+def gsm8k_numeric_answer(solution_str: str) -> float | None:
+    """The last number in the response's last 300 characters as a value: "$", "," and a
+    trailing "." removed ("The answer is $1,200." -> 1200.0), or None."""
+    found = gsm8k_answer(solution_str, "flexible")
+    if found is None:
+        return None
+    try:
+        return float(found.replace(",", "").replace("$", "").rstrip("."))
+    except ValueError:          # "1.2.3", "..5": not a number
+        return None
+
+
+@SCORERS.register("gsm8k_numeric")
+def gsm8k_numeric_score(solution_str: str, ground_truth: str,
+                        extra_info: dict | None = None) -> float:
+    """The last number in the response compared by value: 1.0 if it equals the ground truth,
+    else 0.0; select it with ``reward.scorer=gsm8k_numeric``.
+
+    verl's flexible extraction compares strings, so "The answer is 8." extracts "8." and
+    scores 0 against "8" — and small models end nearly every answer with a sentence. This
+    scorer strips "$", "," and a trailing "." and compares values ("8.", "8.0", "$8" all equal
+    8), as lm-evaluation-harness's GSM8K "flexible-extract" does with its normalisation.
+    """
+    answer = gsm8k_numeric_answer(solution_str)
+    try:
+        target = float(str(ground_truth).replace(",", "").strip())
+    except ValueError as err:
+        raise ValueError(f"gsm8k_numeric: ground truth {ground_truth!r} is not a number") from err
+    return float(answer is not None and answer == target)
+
+
 # ---------------------------------------------------------------------------------------------
 # MATH: "... \boxed{\frac{1}{2}}"
 
