@@ -71,8 +71,19 @@ def worker_device(kind: str, local_rank: int = 0) -> torch.device:
     return torch.device(kind, index)
 
 
-def collective_backend(kind: str) -> str:
+def collective_backend(kind: str, host_tensors: bool = False) -> str:
+    """The process group's backend for workers on `kind`. `host_tensors`: collectives will also
+    see host tensors on an accelerator worker (FSDP2 CPU offload), so the group gets gloo for
+    them beside the accelerator's backend ("cpu:gloo,cuda:nccl", torch picks by tensor)."""
+    if host_tensors and kind != HOST:
+        return f"{HOST}:{HOST_BACKEND},{kind}:{BACKENDS[kind]}"
     return BACKENDS[kind]
+
+
+def pins_host_memory(kind: str) -> bool:
+    """Whether host buffers copied to `kind` devices are worth pinning (page-locked memory
+    makes CUDA copies asynchronous; there is nothing to pin for on the host)."""
+    return kind == "cuda"
 
 
 def fused_optimizer_supported(device: torch.device) -> bool:

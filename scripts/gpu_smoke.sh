@@ -5,7 +5,8 @@
 #   PYTHON=/path/to/python scripts/gpu_smoke.sh
 #
 # With 2+ CUDA devices: one GRPO training step on 2 processes under torchrun, FSDP2 over NCCL
-# (trainer.device=cuda), checked to write its metrics. With 1+ CUDA device and vLLM installed:
+# (trainer.device=cuda), checked to write its metrics, and two with FSDP2 CPU offload
+# (actor.offload, ref.offload) and a checkpoint. With 1+ CUDA device and vLLM installed:
 # one training step with rollout.backend=vllm (the engine in the worker process, weights synced
 # after the update). Each part that cannot run says why and is skipped; with no CUDA device at
 # all the script prints one "skip" line and exits 0. Any part that runs and fails exits 1.
@@ -44,8 +45,18 @@ if (( gpus >= 2 )); then
     else
         echo "FAILED: 2-process FSDP2 + NCCL training step"; failed=1
     fi
+    # FSDP2 CPU offload: shards on the host, copied to the GPU per unit; two steps with a
+    # checkpoint (DCP of host shards), weight sync to the rollout and grad clipping over gloo
+    port="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+    if "$PY" -m torch.distributed.run --nproc-per-node 2 --master-port "$port" -m dagrl.train \
+        trainer.n_workers=2 "trainer.run_dir=$OUT/offload" actor.offload=true ref.offload=true \
+        trainer.save_every=1 "${STEP[@]}" trainer.total_steps=2; then
+        check_metrics "$OUT/offload" "2-process FSDP2 with actor.offload + ref.offload"
+    else
+        echo "FAILED: 2-process FSDP2 with actor.offload + ref.offload"; failed=1
+    fi
 else
-    echo "skip: 2-process FSDP2 + NCCL step needs 2 CUDA devices (found $gpus)"
+    echo "skip: 2-process FSDP2 + NCCL steps need 2 CUDA devices (found $gpus)"
 fi
 
 if "$PY" -c 'import vllm' 2>/dev/null; then

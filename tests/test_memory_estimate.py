@@ -97,3 +97,20 @@ def test_other_models_are_counted(tmp_path):
     (line,) = other_model_lines(rm, other_model_shapes(rm))
     classifier = AutoModelForSequenceClassification.from_config(tiny_digit_rm_config())
     assert line.bytes == sum(p.numel() for p in classifier.parameters()) * 4 // 2
+
+
+def test_offloaded_shards_leave_the_accelerator_but_not_a_cpu_worker():
+    on = ["rollout.backend=native", "trainer.n_workers=2", "actor.offload=true",
+          "ref.offload=true"]
+    base = _lines("rollout.backend=native", "trainer.n_workers=2", "trainer.device=cuda")
+    gpu = {x.name: x for x in estimate_memory(*_cfg_shape(*on, "trainer.device=cuda"))}
+    for name in ("actor weights", "gradients", "AdamW state", "reference weights"):
+        assert gpu[name].bytes == 0 and f"{base[name] / 2**30:.2f} GiB in host memory" in \
+            gpu[name].note, name
+    assert gpu["rollout weights"].bytes == base["rollout weights"] > 0   # not offloaded
+    assert _lines(*on, "trainer.device=cpu") == _lines(*on[:2], "trainer.device=cpu")
+
+
+def _cfg_shape(*overrides: str):
+    cfg = load_config(Config, None, list(overrides))
+    return cfg, model_shape(cfg)

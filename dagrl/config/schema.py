@@ -276,6 +276,13 @@ class ActorConfig(OptimConfig):
     # (engines/ulysses.py). tp x sp workers form one data-parallel replica holding the same
     # samples on each of its ranks; trainer.n_workers / (tp x sp) replicas.
     sequence_parallel_size: int = 1
+    # FSDP2 CPU offload (verl's param_offload + optimizer_offload): the actor's parameter
+    # shards, gradients and AdamW state live in host memory; each FSDP unit's parameters are
+    # copied to the accelerator for its forward/backward only and the optimizer steps on the
+    # host. Frees ~16 bytes per parameter / workers of accelerator memory for host-device
+    # copies every pass. FSDP2 only: trainer.n_workers >= 2, no tensor/sequence parallelism.
+    # On a CPU worker the shards already live in host memory: nothing moves.
+    offload: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -325,6 +332,9 @@ class RefConfig:
     micro_batch_size: int = 64      # samples per forward pass of the reference model
     logits_chunk_tokens: int = 1024     # as actor.logits_chunk_tokens
     max_tokens_per_micro_batch: int = 0     # as actor.max_tokens_per_micro_batch
+    # The reference's parameter shards in host memory, copied to the accelerator one FSDP unit
+    # at a time for its forward (verl's ref param_offload); as actor.offload.
+    offload: bool = False
 
     def __post_init__(self) -> None:
         _check(self.micro_batch_size > 0, "micro_batch_size must be > 0")
@@ -545,6 +555,15 @@ class Config:
                f"with actor.tensor_parallel_size ({a.tensor_parallel_size}) / "
                f"actor.sequence_parallel_size ({a.sequence_parallel_size}) > 1 is not "
                "supported; set trainer.fsdp_shard_size=0 or both sizes to 1")
+        for key, on in (("actor.offload", a.offload), ("ref.offload", self.ref.offload)):
+            _check(not on or (workers > 1 and a.model_parallel_size == 1),
+                   f"{key}=true offloads FSDP2 shards: it needs trainer.n_workers >= 2 and "
+                   "actor.tensor_parallel_size = actor.sequence_parallel_size = 1 (got "
+                   f"{workers} workers, tp {a.tensor_parallel_size}, sp "
+                   f"{a.sequence_parallel_size})")
+        _check(not (self.ref.offload and a.lora.rank),
+               "ref.offload=true with actor.lora.rank > 0: the reference is the actor with its "
+               "adapters off (no model of its own); set actor.offload instead")
         _check(self.actor.mini_batch_size % workers == 0,
                f"actor.mini_batch_size ({self.actor.mini_batch_size}) must be divisible by "
                f"trainer.n_workers ({workers})")
@@ -591,6 +610,13 @@ class Config:
         _check(r.source == "rule" or self.algorithm.name != "remax",
                "algorithm.name=remax scores its greedy baseline with the rule scorers; "
                "reward.source must be rule")
+
+    @property
+    def host_tensors_in_collectives(self) -> bool:
+        """Whether any model's FSDP2 shards live in host memory (actor.offload / ref.offload,
+        here or in an extra policy's section): collectives then see host tensors."""
+        return any(c.actor.offload or c.ref.offload
+                   for c in (self, *self.derived_models.values()))
 
     @property
     def data_parallel_size(self) -> int:

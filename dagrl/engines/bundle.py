@@ -128,13 +128,13 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
 
     shard_group = dp_group   # None: all ranks (dp_group is rebound below)
 
-    def shard(model: torch.nn.Module) -> torch.nn.Module:
-        if mesh is not None:
+    def shard(model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
+        if mesh is not None:    # the config refuses offload here
             return parallelize_model(model, mesh)
         # FSDP2 over all workers (or the async trainer ranks), or HSDP over groups of
-        # trainer.fsdp_shard_size (tp = sp = 1, sync only)
+        # trainer.fsdp_shard_size (tp = sp = 1, sync only); `offload`: shards in host memory
         return shard_model(model, world_size, device.type, cfg.trainer.fsdp_shard_size,
-                           group=shard_group)
+                           group=shard_group, offload=offload)
 
     if tokenizer is None:
         tokenizer = load_tokenizer(m.path, m.gguf_file)
@@ -160,7 +160,8 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
             checkpoint_activations(actor_model)
         if cfg.actor.compile:
             compile_layers(actor_model)
-        engines.actor = ActorEngine(shard(actor_model), cfg.actor, cfg.algorithm,
+        engines.actor = ActorEngine(shard(actor_model, cfg.actor.offload), cfg.actor,
+                                    cfg.algorithm,
                                     temperature=logprob_temperature(cfg.rollout.temperature),
                                     mini_batch_samples=mini_batch_samples,
                                     pack_sequences=m.pack_sequences,
@@ -215,7 +216,7 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
                                              m.mixed_precision)
         if cfg.actor.compile:
             compile_layers(ref)
-        engines.ref_model = shard(ref)
+        engines.ref_model = shard(ref, cfg.ref.offload)
     if "reward" in needed:
         r = cfg.reward
         engines.reward_manager = RewardManager(on_error=r.on_error, custom_fn=r.custom_fn,

@@ -32,6 +32,9 @@ tp-split intermediates (q, attention output, k, v, MLP) count 1/tp; the logits c
                        trained weights autocast keeps during a forward; the layers'
                        intermediates then count 2 bytes)
 
+With actor.offload / ref.offload on an accelerator those shards count 0 on the device (their
+bytes are named in the line's note: they are in host memory).
+
 Not counted: the allocator's fragmentation and the Python/torch runtime (the estimate reports
 this process's RSS after importing them as a line of its own). vLLM and server rollouts hold
 their own memory (rollout.vllm.gpu_memory_utilization).
@@ -42,6 +45,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dagrl.config.schema import Config
+from dagrl.device import HOST, device_type
 from dagrl.engines.models import (
     BUILTIN_PREFIX,
     DTYPES,
@@ -224,6 +228,18 @@ def estimate_memory(cfg: Config, shape: ModelShape, *, has_ref: bool = True) -> 
         ref = ((p - linears) * b + linears * 2 + rep * (tp - 1) * b) // s
         ref_note = "linears in bfloat16"
     lines.append(MemoryLine("reference weights", ref, ref_note))
+    # FSDP2 CPU offload on an accelerator: those shards are in host memory, not on the device
+    # (one unit at a time is gathered there, like any FSDP2 unit: not counted).
+    # (trainer.device names the run's device, present here or not; auto: this machine's)
+    on_accelerator = (cfg.trainer.device if cfg.trainer.device != "auto"
+                      else device_type("auto")) != HOST
+    for names, key in ((("actor weights", "gradients", "AdamW state"), "actor.offload"),
+                       (("reference weights",), "ref.offload")):
+        if on_accelerator and (a.offload if key == "actor.offload" else cfg.ref.offload):
+            for i, line in enumerate(lines):
+                if line.name in names and line.bytes:
+                    lines[i] = MemoryLine(line.name, 0, f"{line.bytes / GiB:.2f} GiB in host "
+                                          f"memory ({key})", line.phase)
     backend = cfg.rollout.backend
     rb = DTYPES[cfg.model.rollout_dtype].itemsize      # the rollout copy's bytes per value
     if backend in ("vllm", "server"):

@@ -12,7 +12,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+from dagrl.device import pins_host_memory
 
 
 def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -46,13 +48,14 @@ def checkpoint_activations(model: torch.nn.Module) -> torch.nn.Module:
 
 def shard_model(model: torch.nn.Module, world_size: int, device_type: str,
                 shard_size: int = 0,
-                group: dist.ProcessGroup | None = None) -> torch.nn.Module:
+                group: dist.ProcessGroup | None = None,
+                offload: bool = False) -> torch.nn.Module:
     """Shard `model` in place over all `world_size` ranks, or over the ranks of `group`
     (trainer.mode=async: the trainer ranks; `world_size` is then their number); a no-op for
     one rank. With 0 < `shard_size` < `world_size` (all ranks only), over groups of
     `shard_size` consecutive ranks and replicated across the groups (HSDP: a 2-D mesh,
     replicas x shard; FSDP2 reduce-scatters gradients in a group, then all-reduces each shard
-    across the groups)."""
+    across the groups). `offload`: the shards live in host memory (see fully_shard_layers)."""
     if world_size == 1:
         return model
     if 0 < shard_size < world_size:
@@ -68,15 +71,25 @@ def shard_model(model: torch.nn.Module, world_size: int, device_type: str,
         mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp",))
     else:
         mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
-    return fully_shard_layers(model, mesh)
+    return fully_shard_layers(model, mesh, offload)
 
 
-def fully_shard_layers(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
+def fully_shard_layers(model: torch.nn.Module, mesh: DeviceMesh,
+                       offload: bool = False) -> torch.nn.Module:
     """FSDP2 over `mesh`: each decoder layer a unit, then the root (in place). A 1-D mesh
     shards over all its ranks; HSDP's 2-D (replicate, shard) mesh shards over the second
     dimension and replicates over the first. On parameters already split by tensor
-    parallelism (1-D mesh only) it shards their local slices (a 2-D layout)."""
+    parallelism (1-D mesh only) it shards their local slices (a 2-D layout).
+
+    `offload` (actor.offload, ref.offload): FSDP2's CPUOffloadPolicy. Parameter shards and
+    their gradients stay in host memory (so does the optimizer state built on them); each
+    unit's all-gather copies its shards to the mesh's device first, and the reduce-scattered
+    gradients come back to the host. Collectives on these host tensors (gradient-norm
+    all-reduce, weight gathers for the rollout, checkpoints) run over gloo: the process group
+    then has a host backend beside the accelerator's (device.collective_backend)."""
+    policy = (CPUOffloadPolicy(pin_memory=pins_host_memory(mesh.device_type)) if offload
+              else OffloadPolicy())
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, offload_policy=policy)
+    fully_shard(model, mesh=mesh, offload_policy=policy)
     return model

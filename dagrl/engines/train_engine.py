@@ -89,7 +89,13 @@ class TrainEngine(ABC):
 
     @property
     def device(self) -> torch.device:
-        return next(self.model.parameters()).device
+        """Where this engine computes: its parameters' device, or the accelerator of their
+        FSDP2 mesh when the shards live in host memory (actor.offload)."""
+        p = next(self.model.parameters())
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None and mesh.device_type != p.device.type:
+            return torch.device(mesh.device_type, torch.accelerator.current_device_index())
+        return p.device
 
     def autocast(self) -> AbstractContextManager:
         """The context every forward of this engine runs in (mixed precision or nothing);

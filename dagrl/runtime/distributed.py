@@ -96,8 +96,10 @@ def env_world() -> tuple[int, int, int] | None:
     return rank, world, int(os.environ.get("LOCAL_RANK", rank))
 
 
-def init_distributed(device_pref: str, timeout_s: float = 1800.0) -> DistContext:
-    """Join the process group described by the environment (a single process without one)."""
+def init_distributed(device_pref: str, timeout_s: float = 1800.0,
+                     host_tensors: bool = False) -> DistContext:
+    """Join the process group described by the environment (a single process without one).
+    `host_tensors`: collectives will see host tensors too (actor.offload / ref.offload)."""
     kind = device_type(device_pref)
     found = env_world()
     if found is None or found[1] == 1:
@@ -105,7 +107,8 @@ def init_distributed(device_pref: str, timeout_s: float = 1800.0) -> DistContext
     rank, world, local_rank = found
     device = worker_device(kind, local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(collective_backend(kind), rank=rank, world_size=world,
+        dist.init_process_group(collective_backend(kind, host_tensors), rank=rank,
+                                world_size=world,
                                 timeout=timedelta(seconds=timeout_s),
                                 device_id=None if is_host(device) else device)
     cpu_group = None if is_host(device) else dist.new_group(backend=HOST_BACKEND)
