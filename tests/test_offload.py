@@ -1,6 +1,6 @@
-"""FSDP2 CPU offload (actor.offload, ref.offload): every FSDP unit of the actor and the
-reference gets FSDP2's CPUOffloadPolicy, and a 2-worker run with both on reproduces the
-1-worker run across a checkpoint and a resume.
+"""FSDP2 CPU offload (actor.offload, ref.offload, critic.offload): every FSDP unit gets FSDP2's
+CPUOffloadPolicy, a 2-worker GRPO run with the actor and reference offloaded reproduces the
+1-worker run across a checkpoint and a resume, and so does a PPO run with the critic offloaded.
 
 On these CPU workers the shards already live in host memory, so the policy moves nothing:
 what is tested is the wiring (policy on every unit, optimizer on the offloaded shards, weight
@@ -17,6 +17,7 @@ import sys
 import pytest
 
 from dagrl.config.loader import ConfigError, load_config
+from dagrl.config.presets import load_run_config
 from dagrl.config.schema import Config
 from dagrl.device import collective_backend
 from dagrl.runtime.checkpoint import list_checkpoints
@@ -34,6 +35,7 @@ COMPARED = ["reward/mean", "response/length/mean", "actor/pg_loss", "actor/kl",
     (["actor.offload=true"], "actor.offload=true offloads FSDP2 shards: it needs "
                              "trainer.n_workers >= 2"),
     (["ref.offload=true"], "ref.offload=true offloads FSDP2 shards"),
+    (["critic.offload=true"], "critic.offload=true offloads FSDP2 shards"),
     (["actor.offload=true", "trainer.n_workers=2", "actor.mini_batch_size=32",
       "actor.tensor_parallel_size=2"], r"actor.offload=true .* \(got 2 workers, tp 2, sp 1\)"),
     (["ref.offload=true", "trainer.n_workers=2", "actor.lora.rank=4"],
@@ -95,4 +97,18 @@ def test_two_offloaded_workers_match_one_worker_across_a_resume(tmp_path):
     assert [m["step"] for m in ours] == [m["step"] for m in ref] == [1, 2, 3]
     for a, b in zip(ours, ref, strict=True):
         for key in COMPARED:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+
+
+def test_two_workers_with_an_offloaded_critic_match_one_worker(tmp_path):
+    ppo = ["algorithm.name=ppo", "trainer.total_steps=2"]
+    one = tmp_path / "one"
+    launch(load_run_config(None, [f"trainer.run_dir={one}", *SMALL, *ppo]))   # ppo's preset
+    run_dir = tmp_path / "offload"
+    _torchrun(run_dir, *ppo, "critic.offload=true")
+    ours, ref = _metrics(run_dir), _metrics(one)
+    assert [m["step"] for m in ours] == [m["step"] for m in ref] == [1, 2]
+    for a, b in zip(ours, ref, strict=True):
+        for key in [*(k for k in COMPARED if k in b), "critic/values", "critic/vf_loss",
+                    "critic/grad_norm"]:
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)

@@ -317,6 +317,8 @@ class CriticConfig(OptimConfig):
     max_tokens_per_micro_batch: int = 0     # as actor.max_tokens_per_micro_batch
     ppo_epochs: int = 1
     cliprange_value: float = 0.5    # PPO2 value clipping around the old values
+    # The critic's shards, gradients and AdamW state in host memory; as actor.offload.
+    offload: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -555,7 +557,8 @@ class Config:
                f"with actor.tensor_parallel_size ({a.tensor_parallel_size}) / "
                f"actor.sequence_parallel_size ({a.sequence_parallel_size}) > 1 is not "
                "supported; set trainer.fsdp_shard_size=0 or both sizes to 1")
-        for key, on in (("actor.offload", a.offload), ("ref.offload", self.ref.offload)):
+        for key, on in (("actor.offload", a.offload), ("ref.offload", self.ref.offload),
+                        ("critic.offload", self.critic.offload)):
             _check(not on or (workers > 1 and a.model_parallel_size == 1),
                    f"{key}=true offloads FSDP2 shards: it needs trainer.n_workers >= 2 and "
                    "actor.tensor_parallel_size = actor.sequence_parallel_size = 1 (got "
@@ -613,9 +616,9 @@ class Config:
 
     @property
     def host_tensors_in_collectives(self) -> bool:
-        """Whether any model's FSDP2 shards live in host memory (actor.offload / ref.offload,
+        """Whether any model's FSDP2 shards live in host memory (actor/ref/critic.offload,
         here or in an extra policy's section): collectives then see host tensors."""
-        return any(c.actor.offload or c.ref.offload
+        return any(c.actor.offload or c.ref.offload or c.critic.offload
                    for c in (self, *self.derived_models.values()))
 
     @property

@@ -170,7 +170,7 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
     if "critic" in needed:
         critic_model = load_value_model(cfg.critic.path or m.path, m.dtype, device,
                                         m.attn_implementation)
-        engines.critic = CriticEngine(shard(critic_model), cfg.critic,
+        engines.critic = CriticEngine(shard(critic_model, cfg.critic.offload), cfg.critic,
                                       loss_agg_mode=cfg.algorithm.loss_agg_mode,
                                       mini_batch_samples=mini_batch_samples,
                                       pack_sequences=m.pack_sequences,

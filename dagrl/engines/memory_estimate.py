@@ -233,13 +233,13 @@ def estimate_memory(cfg: Config, shape: ModelShape, *, has_ref: bool = True) -> 
     # (trainer.device names the run's device, present here or not; auto: this machine's)
     on_accelerator = (cfg.trainer.device if cfg.trainer.device != "auto"
                       else device_type("auto")) != HOST
-    for names, key in ((("actor weights", "gradients", "AdamW state"), "actor.offload"),
-                       (("reference weights",), "ref.offload")):
-        if on_accelerator and (a.offload if key == "actor.offload" else cfg.ref.offload):
-            for i, line in enumerate(lines):
-                if line.name in names and line.bytes:
-                    lines[i] = MemoryLine(line.name, 0, f"{line.bytes / GiB:.2f} GiB in host "
-                                          f"memory ({key})", line.phase)
+    offloaded = {"actor.offload": ("actor weights", "gradients", "AdamW state"),
+                 "ref.offload": ("reference weights",)}
+    for key, on in (("actor.offload", a.offload), ("ref.offload", cfg.ref.offload)):
+        for i, line in enumerate(lines):
+            if on and on_accelerator and line.name in offloaded[key] and line.bytes:
+                lines[i] = MemoryLine(line.name, 0, f"{line.bytes / GiB:.2f} GiB in host "
+                                      f"memory ({key})", line.phase)
     backend = cfg.rollout.backend
     rb = DTYPES[cfg.model.rollout_dtype].itemsize      # the rollout copy's bytes per value
     if backend in ("vllm", "server"):

@@ -81,7 +81,7 @@ def fully_shard_layers(model: torch.nn.Module, mesh: DeviceMesh,
     dimension and replicates over the first. On parameters already split by tensor
     parallelism (1-D mesh only) it shards their local slices (a 2-D layout).
 
-    `offload` (actor.offload, ref.offload): FSDP2's CPUOffloadPolicy. Parameter shards and
+    `offload` (actor/ref/critic.offload): FSDP2's CPUOffloadPolicy. Parameter shards and
     their gradients stay in host memory (so does the optimizer state built on them); each
     unit's all-gather copies its shards to the mesh's device first, and the reduce-scattered
     gradients come back to the host. Collectives on these host tensors (gradient-norm

@@ -104,8 +104,7 @@ def run_worker_from_env(cfg: Config, state: WorkerState | None = None) -> list[d
     """A Ray actor's body: join the group the environment describes, run, leave the group. On
     failure `state` says whether this rank failed first."""
     state = state or WorkerState()
-    ctx = init_distributed(cfg.trainer.device,
-                           host_tensors=cfg.host_tensors_in_collectives)
+    ctx = init_distributed(cfg.trainer.device, host_tensors=cfg.host_tensors_in_collectives)
     state.rank = ctx.rank
     try:
         return run_worker(cfg, ctx, state)
@@ -124,8 +123,7 @@ def torchrun_main(cfg: Config, debug: bool) -> int:
     checked = False
     try:
         # The group first (it writes nothing): the ranks agree through it on who reports.
-        ctx = init_distributed(cfg.trainer.device,
-                           host_tensors=cfg.host_tensors_in_collectives)
+        ctx = init_distributed(cfg.trainer.device, host_tensors=cfg.host_tensors_in_collectives)
         check_inputs(cfg)   # every rank: the same answer, before anything is written
         checked = True
         run_worker(cfg, ctx, state, take_lock=True)
