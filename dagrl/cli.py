@@ -86,7 +86,8 @@ def _memory_estimate(cfg, plans) -> str:
     from dagrl.roles.plan import engines_of
 
     has_ref = any("ref" in engines_of(p) for p in plans)
-    lines = estimate_memory(cfg, model_shape(cfg), has_ref=has_ref)
+    has_critic = any("critic" in engines_of(p) for p in plans)
+    lines = estimate_memory(cfg, model_shape(cfg), has_ref=has_ref, has_critic=has_critic)
     with_ref = {name for name in cfg.models if any("ref" in engines_of(p, name) for p in plans)}
     lines += other_model_lines(cfg, other_model_shapes(cfg), with_ref)
     return "memory per rank:\n" + format_estimate(lines, runtime_bytes=host_rss_bytes())

@@ -4,6 +4,7 @@ setting moves the line it should."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dagrl.config.loader import load_config
 from dagrl.config.schema import Config
@@ -25,6 +26,10 @@ def test_parameter_counts_equal_the_model(tmp_path, family):
     assert shape.params == sum(p.numel() for p in model.parameters())
     lora = apply_lora(model, 8, 16.0, "all-linear", 0.0)
     assert shape.lora_params(8) == sum(p.numel() for p in lora.parameters() if p.requires_grad)
+    from dagrl.engines.critic import load_value_model
+
+    critic = load_value_model(str(path), "float32", torch.device("cpu"))
+    assert shape.value_params == sum(p.numel() for p in critic.parameters())
 
 
 def _lines(*overrides: str) -> dict[str, int]:
@@ -101,10 +106,14 @@ def test_other_models_are_counted(tmp_path):
 
 def test_offloaded_shards_leave_the_accelerator_but_not_a_cpu_worker():
     on = ["rollout.backend=native", "trainer.n_workers=2", "actor.offload=true",
-          "ref.offload=true"]
-    base = _lines("rollout.backend=native", "trainer.n_workers=2", "trainer.device=cuda")
-    gpu = {x.name: x for x in estimate_memory(*_cfg_shape(*on, "trainer.device=cuda"))}
-    for name in ("actor weights", "gradients", "AdamW state", "reference weights"):
+          "ref.offload=true", "critic.offload=true"]
+    base = {x.name: x.bytes for x in estimate_memory(
+        *_cfg_shape("rollout.backend=native", "trainer.n_workers=2", "trainer.device=cuda"),
+        has_critic=True)}
+    gpu = {x.name: x for x in estimate_memory(*_cfg_shape(*on, "trainer.device=cuda"),
+                                              has_critic=True)}
+    for name in ("actor weights", "gradients", "AdamW state", "reference weights",
+                 "critic weights", "critic gradients", "critic AdamW state"):
         assert gpu[name].bytes == 0 and f"{base[name] / 2**30:.2f} GiB in host memory" in \
             gpu[name].note, name
     assert gpu["rollout weights"].bytes == base["rollout weights"] > 0   # not offloaded
@@ -114,3 +123,18 @@ def test_offloaded_shards_leave_the_accelerator_but_not_a_cpu_worker():
 def _cfg_shape(*overrides: str):
     cfg = load_config(Config, None, list(overrides))
     return cfg, model_shape(cfg)
+
+
+def test_the_critic_is_counted_where_the_graph_trains_one(capsys):
+    from dagrl.cli import main
+
+    cfg = load_config(Config, None, ["trainer.n_workers=2"])
+    shape = model_shape(cfg)
+    lines = {x.name: x.bytes for x in estimate_memory(cfg, shape, has_critic=True)}
+    assert lines["critic weights"] == shape.value_params * 4 // 2
+    assert lines["critic AdamW state"] == 2 * lines["critic weights"]
+    assert "critic weights" not in {x.name for x in estimate_memory(cfg, shape)}
+    assert main(["plan", "--memory", "algorithm.name=ppo"]) == 0
+    assert "critic AdamW state" in capsys.readouterr().out
+    assert main(["plan", "--memory"]) == 0          # GRPO: no critic
+    assert "critic" not in capsys.readouterr().out.split("memory per rank:")[1]

@@ -12,6 +12,8 @@ and M samples per micro-batch of S = prompt + response tokens:
     AdamW state        2 T b / W               (exp_avg, exp_avg_sq)
     reference weights  P b / W                 (0 under LoRA: the actor with adapters off;
                                             linears in 2 bytes under mixed precision)
+    critic             (1 + 1 + 2) P_v b / W     (PPO: weights, gradients, AdamW state of the
+                       value model, P_v = P without an untied LM head, plus a scalar head)
 
 Under tensor parallelism (tp) and sequence parallelism (sp), with dp = W / (tp sp) replicas,
 the P_r parameters tp replicates (norms; k/v projections with fewer KV heads than tp) are
@@ -95,6 +97,12 @@ class ModelShape:
         norms = self.hidden * (2 * self.layers + 1)
         biases = self.layers * (self.heads + 2 * self.kv_heads) * self.head_dim * self.qkv_bias
         return self.linear_params + embeddings + norms + biases
+
+    @property
+    def value_params(self) -> int:
+        """The critic built from this model (`*ForTokenClassification`, one label): the
+        backbone without the LM head, plus a scalar head with its bias."""
+        return self.params - (0 if self.tied else self.vocab * self.hidden) + self.hidden + 1
 
     def replicated_params(self, tp: int) -> int:
         """Parameters tensor parallelism over `tp` ranks keeps whole on every rank: the norms,
@@ -190,8 +198,15 @@ class MemoryLine:
     phase: str = "state"    # state: held all run; rollout / update: alive in that phase only
 
 
-def estimate_memory(cfg: Config, shape: ModelShape, *, has_ref: bool = True) -> list[MemoryLine]:
-    """Per-rank bytes of the run's states and largest transients (see the module docstring)."""
+def critic_shape(cfg: Config, shape: ModelShape) -> ModelShape:
+    """The critic's source model: critic.path's config, or the actor's (`shape`)."""
+    return ModelShape.of(_config_at(cfg.critic.path, "")) if cfg.critic.path else shape
+
+
+def estimate_memory(cfg: Config, shape: ModelShape, *, has_ref: bool = True,
+                    has_critic: bool = False) -> list[MemoryLine]:
+    """Per-rank bytes of the run's states and largest transients (see the module docstring);
+    `has_critic`: the graph trains a value model (PPO), counted like the actor's states."""
     b = DTYPES[cfg.model.dtype].itemsize
     w = cfg.trainer.n_workers
     a = cfg.actor
@@ -228,14 +243,22 @@ def estimate_memory(cfg: Config, shape: ModelShape, *, has_ref: bool = True) -> 
         ref = ((p - linears) * b + linears * 2 + rep * (tp - 1) * b) // s
         ref_note = "linears in bfloat16"
     lines.append(MemoryLine("reference weights", ref, ref_note))
+    if has_critic:      # FSDP2 over the same ranks as the actor
+        pc = critic_shape(cfg, shape).value_params
+        lines.append(MemoryLine("critic weights", per_rank(pc), f"{pc / 1e6:.1f}M params "
+                                "(value model)"))
+        lines.append(MemoryLine("critic gradients", per_rank(pc), "", "update"))
+        lines.append(MemoryLine("critic AdamW state", per_rank(pc, 2 * b), ""))
     # FSDP2 CPU offload on an accelerator: those shards are in host memory, not on the device
     # (one unit at a time is gathered there, like any FSDP2 unit: not counted).
     # (trainer.device names the run's device, present here or not; auto: this machine's)
     on_accelerator = (cfg.trainer.device if cfg.trainer.device != "auto"
                       else device_type("auto")) != HOST
     offloaded = {"actor.offload": ("actor weights", "gradients", "AdamW state"),
-                 "ref.offload": ("reference weights",)}
-    for key, on in (("actor.offload", a.offload), ("ref.offload", cfg.ref.offload)):
+                 "ref.offload": ("reference weights",),
+                 "critic.offload": ("critic weights", "critic gradients", "critic AdamW state")}
+    for key, on in (("actor.offload", a.offload), ("ref.offload", cfg.ref.offload),
+                    ("critic.offload", cfg.critic.offload)):
         for i, line in enumerate(lines):
             if on and on_accelerator and line.name in offloaded[key] and line.bytes:
                 lines[i] = MemoryLine(line.name, 0, f"{line.bytes / GiB:.2f} GiB in host "

@@ -139,7 +139,7 @@ class Worker:
         estimate = 0.0
         if self.engines.actor is not None:
             lines = estimate_memory(cfg, ModelShape.of(self.engines.actor.model.config),
-                                    has_ref="ref" in needed)
+                                    has_ref="ref" in needed, has_critic="critic" in needed)
             with_ref = {name for name in cfg.models if "ref" in engines_of(self.plan, name)}
             lines += other_model_lines(cfg, other_model_shapes(cfg), with_ref)
             estimate = estimated_peak(lines, runtime_rss) / GB
