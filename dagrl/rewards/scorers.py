@@ -144,7 +144,7 @@ def gsm8k_numeric_score(solution_str: str, ground_truth: str,
     else 0.0; select it with ``reward.scorer=gsm8k_numeric``.
 
     verl's flexible extraction compares strings, so "The answer is 8." extracts "8." and
-    scores 0 against "8" — and small models end nearly every answer with a sentence. This
+    scores 0 against "8" — and small models end most answers with a sentence. This
     scorer strips "$", "," and a trailing "." and compares values ("8.", "8.0", "$8" all equal
     8), as lm-evaluation-harness's GSM8K "flexible-extract" does with its normalisation.
     """
