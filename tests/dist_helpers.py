@@ -57,3 +57,58 @@ def run_distributed(fn, world: int, *args, timeout: float = 180.0) -> list:
     if errors:
         raise RuntimeError("\n".join(errors))
     return [results[r] for r in range(world)]
+
+
+def torchrun_train(run_dir, workers: int, *overrides: str) -> str:
+    """`dagrl.train` on `workers` torchrun processes; its stdout + stderr (fails the test on a
+    non-zero exit, with the end of stderr)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers),
+           "--master-port", str(free_port()), "-m", "dagrl.train", f"trainer.run_dir={run_dir}",
+           f"trainer.n_workers={workers}", *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def step_metrics(run_dir) -> list[dict]:
+    """The training steps' records of RUN_DIR/metrics.jsonl."""
+    import json
+    from pathlib import Path
+
+    lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if "actor/pg_loss" in line]
+
+
+def assert_same_steps(ours: list[dict], reference: list[dict], keys, rel: float = 1e-4) -> None:
+    """Same steps, and each of `keys` equal at `rel` (abs 1e-6) in every step."""
+    import pytest
+
+    assert [m["step"] for m in ours] == [m["step"] for m in reference]
+    for a, b in zip(ours, reference, strict=True):
+        for key in keys:
+            assert a[key] == pytest.approx(b[key], rel=rel, abs=1e-6), (a["step"], key)
+
+
+def assert_resumed_run_matches_one_worker(tmp_path, workers: int, common: list[str],
+                                          parallel: list[str], keys) -> None:
+    """A 3-step 1-worker run with `common` against a `workers`-process torchrun run with
+    `common` + `parallel` that checkpoints every step, stops after step 2 and resumes from it
+    to step 3."""
+    from dagrl.config.presets import load_run_config
+    from dagrl.runtime.checkpoint import list_checkpoints
+    from dagrl.runtime.launch import launch
+
+    one = tmp_path / "one"
+    launch(load_run_config(None, [f"trainer.run_dir={one}", *common, "trainer.total_steps=3"]))
+    run_dir = tmp_path / "parallel"
+    overrides = [*common, *parallel, "trainer.save_every=1"]
+    torchrun_train(run_dir, workers, *overrides, "trainer.total_steps=2")
+    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")][-1] == 2
+    out = torchrun_train(run_dir, workers, *overrides, "trainer.total_steps=3")
+    assert "resumed from" in out and f"(step 2, saved by {workers} worker(s)" in out, out[-2000:]
+    ours = step_metrics(run_dir)
+    assert [m["step"] for m in ours] == [1, 2, 3]
+    assert_same_steps(ours, step_metrics(one), keys)

@@ -5,17 +5,11 @@ checkpoint and resumes from it."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 from dagrl.config.loader import ConfigError, load_config
 from dagrl.config.schema import Config
-from dagrl.runtime.checkpoint import list_checkpoints
-from dagrl.runtime.launch import launch
-from tests.dist_helpers import free_port, run_distributed
+from tests.dist_helpers import assert_resumed_run_matches_one_worker, run_distributed
 
 SMALL = ["logging.progress_bar=false", "logging.console_every=1000", "trainer.torch_threads=1",
          "data.train_batch_size=8", "actor.mini_batch_size=8", "rollout.n=2",
@@ -86,32 +80,8 @@ def test_shard_groups_are_refused_in_async_mode():
                                    "data.train_batch_size=8", "actor.mini_batch_size=8"])
 
 
-def _metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def _torchrun(run_dir, *overrides: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
-           "--master-port", str(free_port()), "-m", "dagrl.train", f"trainer.run_dir={run_dir}",
-           "trainer.n_workers=4", "trainer.fsdp_shard_size=2", *SMALL, *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout + proc.stderr
-
-
 def test_four_workers_in_two_shard_groups_match_one_worker_across_a_resume(tmp_path):
-    one = tmp_path / "one"
-    launch(load_config(Config, None, [f"trainer.run_dir={one}", *SMALL,
-                                      "trainer.total_steps=3"]))
-    run_dir = tmp_path / "hsdp"
     # 2 steps with a checkpoint after each (DCP writes each rank's HSDP shards), then the
     # same directory to step 3: it resumes from step 2's checkpoint
-    _torchrun(run_dir, "trainer.total_steps=2", "trainer.save_every=1")
-    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")][-1] == 2
-    out = _torchrun(run_dir, "trainer.total_steps=3", "trainer.save_every=1")
-    assert "resumed from" in out and "(step 2, saved by 4 worker(s)" in out, out[-2000:]
-    ours, ref = _metrics(run_dir), _metrics(one)
-    assert [m["step"] for m in ours] == [m["step"] for m in ref] == [1, 2, 3]
-    for a, b in zip(ours, ref, strict=True):
-        for key in COMPARED:
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    assert_resumed_run_matches_one_worker(tmp_path, 4, SMALL, ["trainer.fsdp_shard_size=2"],
+                                          COMPARED)

@@ -10,19 +10,20 @@ scripts/gpu_smoke.sh."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
 
 from dagrl.config.loader import ConfigError, load_config
 from dagrl.config.presets import load_run_config
 from dagrl.config.schema import Config
 from dagrl.device import collective_backend
-from dagrl.runtime.checkpoint import list_checkpoints
 from dagrl.runtime.launch import launch
-from tests.dist_helpers import free_port, run_distributed
+from tests.dist_helpers import (
+    assert_resumed_run_matches_one_worker,
+    assert_same_steps,
+    run_distributed,
+    step_metrics,
+    torchrun_train,
+)
 
 SMALL = ["logging.progress_bar=false", "logging.console_every=1000", "trainer.torch_threads=1",
          "data.train_batch_size=8", "actor.mini_batch_size=8", "rollout.n=2",
@@ -70,45 +71,19 @@ def test_every_fsdp_unit_gets_the_offload_policy(tiny_model_dir):
         assert units >= 3 and offloaded     # the decoder layers and the root
 
 
-def _torchrun(run_dir, *overrides):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), "-m", "dagrl.train", f"trainer.run_dir={run_dir}",
-           "trainer.n_workers=2", "actor.offload=true", "ref.offload=true", *SMALL, *overrides]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout + proc.stderr
-
-
-def _metrics(run_dir):
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if "actor/pg_loss" in line]
-
-
 def test_two_offloaded_workers_match_one_worker_across_a_resume(tmp_path):
-    one = tmp_path / "one"
-    launch(load_config(Config, None, [f"trainer.run_dir={one}", *SMALL,
-                                      "trainer.total_steps=3"]))
-    run_dir = tmp_path / "offload"
-    _torchrun(run_dir, "trainer.total_steps=2", "trainer.save_every=1")
-    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")][-1] == 2
-    out = _torchrun(run_dir, "trainer.total_steps=3", "trainer.save_every=1")
-    assert "resumed from" in out and "(step 2, saved by 2 worker(s)" in out, out[-2000:]
-    ours, ref = _metrics(run_dir), _metrics(one)
-    assert [m["step"] for m in ours] == [m["step"] for m in ref] == [1, 2, 3]
-    for a, b in zip(ours, ref, strict=True):
-        for key in COMPARED:
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    assert_resumed_run_matches_one_worker(tmp_path, 2, SMALL,
+                                          ["actor.offload=true", "ref.offload=true"], COMPARED)
 
 
 def test_two_workers_with_an_offloaded_critic_match_one_worker(tmp_path):
-    ppo = ["algorithm.name=ppo", "trainer.total_steps=2"]
+    ppo = [*SMALL, "algorithm.name=ppo", "trainer.total_steps=2"]
     one = tmp_path / "one"
-    launch(load_run_config(None, [f"trainer.run_dir={one}", *SMALL, *ppo]))   # ppo's preset
+    launch(load_run_config(None, [f"trainer.run_dir={one}", *ppo]))   # ppo's preset
     run_dir = tmp_path / "offload"
-    _torchrun(run_dir, *ppo, "critic.offload=true")
-    ours, ref = _metrics(run_dir), _metrics(one)
-    assert [m["step"] for m in ours] == [m["step"] for m in ref] == [1, 2]
-    for a, b in zip(ours, ref, strict=True):
-        for key in [*(k for k in COMPARED if k in b), "critic/values", "critic/vf_loss",
-                    "critic/grad_norm"]:
-            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
+    torchrun_train(run_dir, 2, *ppo, "critic.offload=true")
+    reference = step_metrics(one)
+    keys = [*(k for k in COMPARED if k in reference[0]), "critic/values", "critic/vf_loss",
+            "critic/grad_norm"]
+    assert [m["step"] for m in reference] == [1, 2]
+    assert_same_steps(step_metrics(run_dir), reference, keys)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pyarrow as pa
@@ -278,13 +279,7 @@ def make_gsm8k_synth(out_dir: str | Path, *, seed: int = 0, n_train: int = 4096,
     return paths
 
 
-def make_gsm8k_synth_1step(out_dir: str | Path, *, seed: int = 0, n_train: int = 4096,
-                           n_test: int = 256, max_number: int = 12,
-                           instruction: str = SHORT_INSTRUCTION,
-                           row_group_size: int = 256) -> dict[str, Path]:
-    """`gsm8k-synth-1step`: `make_gsm8k_synth` at steps="1" with the short instruction — the
-    level a ~100M-parameter model learns from with GRPO in 100 CPU steps (docs/performance.md:
-    SmolLM2-135M answers ~20% of these greedily before training, ~2% of the default level)."""
-    return make_gsm8k_synth(out_dir, seed=seed, n_train=n_train, n_test=n_test,
-                            max_number=max_number, steps="1", instruction=instruction,
-                            row_group_size=row_group_size)
+# `gsm8k-synth-1step`: the one-step level with the short instruction — the level a
+# ~100M-parameter model learns from with GRPO in 100 CPU steps (docs/performance.md:
+# SmolLM2-135M answers ~20% of these greedily before training, ~2% of the default level).
+make_gsm8k_synth_1step = partial(make_gsm8k_synth, steps="1", instruction=SHORT_INSTRUCTION)

@@ -34,7 +34,7 @@ tp-split intermediates (q, attention output, k, v, MLP) count 1/tp; the logits c
                        trained weights autocast keeps during a forward; the layers'
                        intermediates then count 2 bytes)
 
-With actor.offload / ref.offload on an accelerator those shards count 0 on the device (their
+With actor/ref/critic.offload on an accelerator those shards count 0 on the device (their
 bytes are named in the line's note: they are in host memory).
 
 Not counted: the allocator's fragmentation and the Python/torch runtime (the estimate reports
@@ -254,15 +254,14 @@ def estimate_memory(cfg: Config, shape: ModelShape, *, has_ref: bool = True,
     # (trainer.device names the run's device, present here or not; auto: this machine's)
     on_accelerator = (cfg.trainer.device if cfg.trainer.device != "auto"
                       else device_type("auto")) != HOST
-    offloaded = {"actor.offload": ("actor weights", "gradients", "AdamW state"),
-                 "ref.offload": ("reference weights",),
-                 "critic.offload": ("critic weights", "critic gradients", "critic AdamW state")}
-    for key, on in (("actor.offload", a.offload), ("ref.offload", cfg.ref.offload),
-                    ("critic.offload", cfg.critic.offload)):
-        for i, line in enumerate(lines):
-            if on and on_accelerator and line.name in offloaded[key] and line.bytes:
-                lines[i] = MemoryLine(line.name, 0, f"{line.bytes / GiB:.2f} GiB in host "
-                                      f"memory ({key})", line.phase)
+    for key, on, names in (
+            ("actor.offload", a.offload, ("actor weights", "gradients", "AdamW state")),
+            ("ref.offload", cfg.ref.offload, ("reference weights",)),
+            ("critic.offload", cfg.critic.offload,
+             ("critic weights", "critic gradients", "critic AdamW state"))):
+        if on and on_accelerator:
+            lines = [MemoryLine(x.name, 0, f"{x.bytes / GiB:.2f} GiB in host memory ({key})",
+                                x.phase) if x.name in names and x.bytes else x for x in lines]
     backend = cfg.rollout.backend
     rb = DTYPES[cfg.model.rollout_dtype].itemsize      # the rollout copy's bytes per value
     if backend in ("vllm", "server"):
