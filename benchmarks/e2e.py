@@ -261,13 +261,14 @@ def ours_child(spec_path: str) -> int:
     worker's step and its logging (what `dagrl train` does between two steps)."""
     from dagrl.config.presets import load_run_config
     from dagrl.observe.loggers import RunLogger
+    from dagrl.runtime.distributed import init_distributed
     from dagrl.runtime.run_dir import prepare_run
     from dagrl.runtime.worker import Worker
 
     spec = json.loads(Path(spec_path).read_text())
     cfg = load_run_config(spec["config"], spec["overrides"])
     shutil.rmtree(cfg.trainer.run_dir, ignore_errors=True)   # a fresh run, nothing to resume
-    worker = Worker(prepare_run(cfg))
+    worker = Worker(prepare_run(cfg), init_distributed(cfg.trainer.device))
     worker.logger = RunLogger(cfg.logging, worker.run_dir, spec["steps"])
     seconds, cpu_seconds, lengths = [], [], []
     try:

@@ -59,6 +59,42 @@ else
     echo "skip: 2-process FSDP2 + NCCL steps need 2 CUDA devices (found $gpus)"
 fi
 
+# One GPU: a training step per feature family in one worker on the device (float32; bfloat16
+# mixed precision with LoRA; PPO's critic; the memory features), then a larger model for a few
+# steps beside `dagrl plan --memory`'s estimate of it (its peak is read from the metrics).
+one_gpu_step() {   # $1: label, $2: run dir name, rest: overrides
+    local label="$1" name="$2"; shift 2
+    if "$PY" -m dagrl.cli train "trainer.run_dir=$OUT/$name" "${STEP[@]}" "$@"; then
+        check_metrics "$OUT/$name" "$label"
+        # A step that ran on the host has no device memory (the 1-worker launch once ignored
+        # trainer.device and trained on the CPU of a GPU machine).
+        grep -q '"memory/device_peak_gb"' "$OUT/$name/metrics.jsonl" \
+            || { echo "FAILED: $label ran on the host, not the GPU"; failed=1; }
+    else
+        echo "FAILED: $label"; failed=1
+        tail -n 12 "$OUT/$name/dagrl.log" 2>/dev/null   # the traceback's end
+    fi
+}
+one_gpu_step "1 worker on the GPU, float32" gpu1
+one_gpu_step "1 worker, bfloat16 mixed precision + LoRA" gpu1-lora model.mixed_precision=bfloat16 \
+    actor.lora.rank=8
+one_gpu_step "1 worker, PPO (critic)" gpu1-ppo algorithm.name=ppo
+one_gpu_step "1 worker, checkpointing + packing + chunked LM head" gpu1-mem \
+    actor.activation_checkpointing=true model.pack_sequences=true actor.logits_chunk_tokens=4
+BIG=(model.tiny_hidden_size=1024 model.tiny_layers=12 model.mixed_precision=bfloat16
+     data.train_batch_size=32 actor.mini_batch_size=32 rollout.n=8 rollout.max_new_tokens=64
+     actor.micro_batch_size=64 ref.micro_batch_size=64)
+"$PY" -m dagrl.cli plan --memory "${STEP[@]}" "${BIG[@]}" 2>&1 | sed -n '/memory/,$p'
+one_gpu_step "1 worker, 1024-wide 12-layer model, 3 steps" gpu1-big "${BIG[@]}" trainer.total_steps=3
+"$PY" - "$OUT/gpu1-big/metrics.jsonl" <<'PYEOF' || true
+import json, sys
+for line in open(sys.argv[1]):
+    row = json.loads(line)
+    keep = {k: v for k, v in row.items() if k.startswith(("timing/", "memory/", "perf/")) or k in
+            ("step", "reward/mean", "actor/pg_loss")}
+    print(json.dumps(keep, sort_keys=True))
+PYEOF
+
 if "$PY" -c 'import vllm' 2>/dev/null; then
     if "$PY" -m dagrl.cli train "trainer.run_dir=$OUT/vllm" rollout.backend=vllm \
         rollout.vllm.gpu_memory_utilization=0.3 model.tiny_hidden_size=128 "${STEP[@]}"; then

@@ -103,4 +103,4 @@ def controller_kl_sums(kl: Tensor, response_mask: Tensor) -> Tensor:
     """
     per_sequence = masked_mean(kl, response_mask, dim=-1)  # [B] = KL̄_i
     return torch.stack([per_sequence.sum().to(torch.float64),
-                        torch.tensor(float(kl.shape[0]), dtype=torch.float64)])
+                        torch.tensor(float(kl.shape[0]), dtype=torch.float64, device=kl.device)])

@@ -54,7 +54,7 @@ def groups_with_variance(scores: Tensor, group_index: Tensor) -> Tensor:
         raise ValueError(f"group_index must be an integer tensor, got dtype {group_index.dtype}")
     index = group_index.long()
     num_groups = int(index.max()) + 1 if index.numel() else 0
-    empty = torch.zeros(num_groups, dtype=scores.dtype)
+    empty = torch.zeros(num_groups, dtype=scores.dtype, device=scores.device)
     group_max = empty.scatter_reduce(0, index, scores, "amax", include_self=False)  # [G]
     group_min = empty.scatter_reduce(0, index, scores, "amin", include_self=False)
     return group_max[index] > group_min[index]

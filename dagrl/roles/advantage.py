@@ -18,10 +18,10 @@ from dagrl.roles.registry import NodeContext, register_role
 from dagrl.roles.score import score_component_field
 
 
-def group_index(uids: np.ndarray) -> torch.Tensor:
-    """Dense group ids from per-sample prompt uids: [N] object -> [N] int64."""
+def group_index(uids: np.ndarray, device: torch.device | None = None) -> torch.Tensor:
+    """Dense group ids from per-sample prompt uids: [N] object -> [N] int64 (on `device`)."""
     _, inverse = np.unique(np.asarray(uids, dtype=str), return_inverse=True)
-    return torch.as_tensor(inverse, dtype=torch.long)
+    return torch.as_tensor(inverse, dtype=torch.long, device=device)
 
 
 @register_role("kl_penalty", adds={"token_level_rewards": "R float32"})
@@ -55,7 +55,7 @@ def advantage(ctx: NodeContext, batch: Batch) -> Batch:
     mask = batch["response_mask"]
     components = {key: batch[score_component_field(key)] for key in algo.gdpo_reward_keys}
     inputs = AdvantageInputs(
-        batch["token_level_rewards"], mask, group_index=group_index(batch["uid"]),
+        batch["token_level_rewards"], mask, group_index=group_index(batch["uid"], mask.device),
         values=batch.get("values"), baseline_scores=batch.get("baseline_scores"),
         old_logprobs=batch.get("old_logprobs"), sum_pi_squared=batch.get("sum_pi_squared"),
         rollout_is_weights=batch.get("rollout_is_weights"),

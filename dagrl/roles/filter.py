@@ -25,7 +25,8 @@ def filter_groups(ctx: NodeContext, batch: Batch) -> Batch:
     data.train_batch_size groups are kept over all ranks, at most algorithm.filter_max_rounds
     rounds. Every rank takes the same decisions, from globally summed counts."""
     algo, target = ctx.config.algorithm, ctx.config.data.train_batch_size
-    kept = batch.select(groups_with_variance(batch["scores"], group_index(batch["uid"])))
+    kept = batch.select(groups_with_variance(batch["scores"], group_index(batch["uid"],
+                                                                          batch["scores"].device)))
     generated = _count_groups(batch)
     rounds = 1
     while True:
@@ -36,7 +37,7 @@ def filter_groups(ctx: NodeContext, batch: Batch) -> Batch:
         fresh = ctx.more()
         generated += _count_groups(fresh)
         kept = Batch.concat([kept, fresh.select(groups_with_variance(
-            fresh["scores"], group_index(fresh["uid"])))])
+            fresh["scores"], group_index(fresh["uid"], fresh["scores"].device)))])
         rounds += 1
     ctx.metrics.add_max("filter/rounds", rounds)
     ctx.metrics.add_sum("filter/groups_kept", min(total, target))

@@ -41,12 +41,12 @@ def rollout(ctx: NodeContext, batch: Batch) -> Batch:
         # Another policy (roles/multi_model.py) answers each of the main policy's samples once;
         # the samples of a group are consecutive rows, so a row's index within its group is
         # the same on any number of workers. The model's name salts its randomness.
-        sample_index = index_within_group(batch["uid"])
+        sample_index = index_within_group(batch["uid"]).to(batch["row_index"].device)
         salt = zlib.crc32(ctx.node.model.encode())
     else:
         n_prompts = len(batch)
         batch = batch.repeat_interleave(cfg.n)
-        sample_index = torch.arange(cfg.n).repeat(n_prompts)
+        sample_index = torch.arange(cfg.n, device=batch["row_index"].device).repeat(n_prompts)
         salt = 0
     # Randomness keyed by (seed, step, dataset row, sample index): see rollout/sampling.py.
     batch["sample_seed"] = mix_seed(ctx.config.trainer.seed ^ salt, ctx.step, batch["row_index"],

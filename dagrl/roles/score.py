@@ -71,6 +71,7 @@ def place_outcome_scores(ctx: NodeContext, batch: Batch, scores: torch.Tensor) -
     into `scores` [N] and onto its last response token in `token_level_scores` [N, R]. Every
     reward role (rule, reward model, judge) ends here."""
     mask = batch["response_mask"]
+    scores = scores.to(mask.device)   # scorers answer in Python floats, on the host
     r = ctx.config.reward
     if r.overlong_buffer_len:
         penalty = overlong_penalty(mask.sum(-1), max_len=ctx.config.rollout.max_new_tokens,

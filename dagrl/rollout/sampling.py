@@ -32,9 +32,11 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
 def mix_seed(*parts: int | torch.Tensor) -> torch.Tensor | int:
     """Combine integers (or int64 tensors, broadcast) into one well-mixed 32-bit value."""
     h: torch.Tensor | int = 0x9E3779B9
+    # The first tensor part's device (an accelerator's tensor beside host integers).
+    device = next((p.device for p in parts if isinstance(p, torch.Tensor)), None)
     for part in parts:
-        h_t = torch.as_tensor(h, dtype=torch.int64)
-        p_t = torch.as_tensor(part, dtype=torch.int64) & _M32
+        h_t = torch.as_tensor(h, dtype=torch.int64, device=device)
+        p_t = torch.as_tensor(part, dtype=torch.int64, device=device) & _M32
         h = _hash32((h_t ^ p_t) + 0x7F4A7C15 & _M32)
     return h
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dagrl.config.schema import Config
+from dagrl.runtime.distributed import init_distributed
 from dagrl.runtime.failures import Failure, log_failure, run_log_path, sigterm_exits
 from dagrl.runtime.input_checks import check_inputs
 from dagrl.runtime.ray_launcher import WorkerFailed, launch_ray
@@ -47,7 +48,9 @@ def launch(cfg: Config, outcome: Outcome | None = None) -> list[dict[str, float]
                 outcome.log = run_log_path(outcome.run_dir)   # each worker logged its own
                 raise
         try:
-            return Worker(prepare_run(cfg)).train()
+            # The worker's device comes from trainer.device (auto: the accelerator if any), as
+            # under Ray and torchrun; a bare Worker(cfg) would train on the host.
+            return Worker(prepare_run(cfg), init_distributed(cfg.trainer.device)).train()
         except Exception as err:
             outcome.log = log_failure(outcome.run_dir, Failure.of(err))
             raise

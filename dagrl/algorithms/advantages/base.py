@@ -104,7 +104,7 @@ def group_sums(values: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor]:
     index = group_index.long()
     num_groups = int(index.max()) + 1 if index.numel() else 0
     counts = torch.bincount(index, minlength=num_groups).to(values.dtype)  # [G]
-    sums = torch.zeros(num_groups, dtype=values.dtype).index_add_(0, index, values)  # [G]
+    sums = values.new_zeros(num_groups).index_add_(0, index, values)  # [G]
     return counts[index], sums[index]
 
 

@@ -139,7 +139,8 @@ def compute_gpg_advantages(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     run over the global batch (``x.reducer``). A group of one sample uses mean 0. No std.
     """
     scores, group_index = _scores_and_groups(x)
-    counts = x.reduce(torch.stack([torch.tensor(float(scores.numel()), dtype=torch.float64),
+    counts = x.reduce(torch.stack([torch.tensor(float(scores.numel()), dtype=torch.float64,
+                                                device=scores.device),
                                    torch.count_nonzero(scores).to(torch.float64)]))
     alpha = counts[0] / counts[1].clamp(min=1)  # α = B / m over every worker's samples
     f_norm = 1.0

@@ -113,7 +113,7 @@ def compute_tir_optimal_token_baseline_advantages(x: AdvantageInputs) -> tuple[T
     width = int(lengths.max()) if lengths.numel() else 0
     # Pack each row's response tokens left: slot k holds its k-th response token.
     slot = mask.long().cumsum(-1) - 1  # [B, T] = k at each response token
-    rows = torch.arange(mask.shape[0]).unsqueeze(-1).expand_as(mask)
+    rows = torch.arange(mask.shape[0], device=mask.device).unsqueeze(-1).expand_as(mask)
     packed_w = returns.new_zeros(mask.shape[0], width)
     packed_ret = returns.new_zeros(mask.shape[0], width)
     packed_w[rows[mask], slot[mask]] = path_variance[mask]

@@ -113,7 +113,7 @@ def kl_cov_policy_loss(
             cov = (adv - adv.mean()) * (logp - logp.mean())  # [N] = Cov over the valid tokens
             n_pen = max(1, int(adv.numel() * params.kl_cov_ratio))
             top = torch.topk(cov, n_pen, largest=True).indices
-            flat = torch.zeros(adv.numel(), dtype=torch.bool)
+            flat = torch.zeros(adv.numel(), dtype=torch.bool, device=adv.device)
             flat[top] = True
             penalised[valid] = flat
 
