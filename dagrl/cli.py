@@ -65,7 +65,7 @@ def plan_main(argv: Sequence[str]) -> int:
                      f"most rollout.max_staleness={cfg.rollout.max_staleness} versions old and "
                      "send new weights back after each update\n")
     if ns.memory:
-        text += "\n" + _memory_estimate(cfg, plans) + "\n"
+        text += "\n" + _memory_estimate(cfg, plans, sides) + "\n"
     if ns.out:
         with open(ns.out, "w", encoding="utf-8") as f:
             f.write(text)
@@ -74,7 +74,7 @@ def plan_main(argv: Sequence[str]) -> int:
     return 0
 
 
-def _memory_estimate(cfg, plans) -> str:
+def _memory_estimate(cfg, plans, sides=None) -> str:
     from dagrl.engines.memory_estimate import (
         estimate_memory,
         format_estimate,
@@ -87,10 +87,27 @@ def _memory_estimate(cfg, plans) -> str:
 
     has_ref = any("ref" in engines_of(p) for p in plans)
     has_critic = any("critic" in engines_of(p) for p in plans)
-    lines = estimate_memory(cfg, model_shape(cfg), has_ref=has_ref, has_critic=has_critic)
+    lines = estimate_memory(cfg, model_shape(cfg), has_ref=has_ref, has_critic=has_critic,
+                            **_side_layouts(cfg, plans, sides))
     with_ref = {name for name in cfg.models if any("ref" in engines_of(p, name) for p in plans)}
     lines += other_model_lines(cfg, other_model_shapes(cfg), with_ref)
     return "memory per rank:\n" + format_estimate(lines, runtime_bytes=host_rss_bytes())
+
+
+def _side_layouts(cfg, plans, sides) -> dict:
+    """trainer.mode=async: the engine layouts of the trainer side (the trained models), the
+    rollout side (its copy and KV cache) and the side whose plan runs the reference."""
+    if sides is None:
+        return {}
+    from dagrl.engines.layout import EngineLayout
+    from dagrl.roles.plan import engines_of
+
+    n = cfg.trainer.n_workers
+    trainer = EngineLayout.of(cfg, n, side_ranks=sides.trainer_ranks, side="trainer")
+    rollout = EngineLayout.of(cfg, n, side_ranks=sides.rollout_ranks, side="rollout")
+    ref_on_rollout = any("ref" in engines_of(plans[r]) for r in sides.rollout_ranks)
+    return {"layout": trainer, "rollout_layout": rollout,
+            "ref_layout": rollout if ref_on_rollout else trainer}
 
 
 def report_main(argv: Sequence[str]) -> int:
@@ -165,23 +182,25 @@ BENCHMARKS = ("dataplane", "learning", "rollout", "e2e", "memory", "async", "sca
 
 
 def bench_main(argv: Sequence[str]) -> int:
-    """Run `benchmarks/<name>.py` of the source checkout (benchmarks are not installed with the
-    library: they need TRL, a second venv or a real model, and are run from a clone)."""
+    """Run `benchmarks.<name>` (benchmarks/ of the source checkout: a package that
+    `pip install -e .` makes importable; the benchmarks need TRL, a second venv or a real
+    model, and are run from a clone)."""
     if not argv or argv[0] not in BENCHMARKS:
         print(f"usage: dagrl bench {{{','.join(BENCHMARKS)}}} [options]", file=sys.stderr)
         return 2
     import importlib
-    from pathlib import Path
 
-    checkout = Path(__file__).resolve().parents[1]
-    if not (checkout / "benchmarks" / f"{argv[0]}.py").is_file():
-        print(f"error: dagrl bench runs the benchmarks/ folder of a source checkout; none "
-              f"beside {checkout} (clone the repository and install it with pip install -e .)",
+    name = f"benchmarks.{argv[0]}"
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        if err.name not in ("benchmarks", name):
+            raise   # a dependency of the benchmark itself: its own message says which
+        print(f"error: dagrl bench: {name} is not importable; the benchmarks come with a source "
+              "checkout: clone the repository and install it with pip install -e .",
               file=sys.stderr)
         return 2
-    if str(checkout) not in sys.path:
-        sys.path.insert(0, str(checkout))
-    return importlib.import_module(f"benchmarks.{argv[0]}").main(argv[1:]) or 0
+    return module.main(argv[1:]) or 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

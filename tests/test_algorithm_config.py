@@ -191,10 +191,11 @@ def test_advantage_node_feeds_gdpo_its_reward_components():
 
 def _actor(tiny_model, *overrides: str):
     from dagrl.engines.actor import ActorEngine
+    from dagrl.engines.layout import EngineLayout
 
     cfg = load_cli_config(["algorithm.kl_loss_coef=0", *overrides])
-    return ActorEngine(tiny_model, cfg.actor, cfg.algorithm, temperature=1.0,
-                       mini_batch_samples=4)
+    return ActorEngine(tiny_model, cfg.actor, cfg.algorithm, EngineLayout.of(cfg, 1),
+                       temperature=1.0)
 
 
 def _micro_batch(vocab: int) -> Batch:

@@ -15,7 +15,8 @@ from dagrl.config.schema import Config
 from dagrl.dag.async_placement import place_async
 from dagrl.dag.spec import GraphError, GraphSpec, NodeSpec
 from dagrl.data.batch import Batch
-from dagrl.roles.plan import FOLLOWER_ROLES, ROLLOUT_SIDE_ROLES, plan_with_sides
+from dagrl.roles.plan import plan_with_sides, roles_on_side
+from dagrl.roles.registry import ROLES
 from tests.dist_helpers import run_distributed
 
 GRPO = GraphSpec("g", (NodeSpec("rollout", "rollout"), NodeSpec("reward", "reward", ("rollout",)),
@@ -23,6 +24,8 @@ GRPO = GraphSpec("g", (NodeSpec("rollout", "rollout"), NodeSpec("reward", "rewar
                        NodeSpec("adv", "advantage", ("reward", "ref")),
                        NodeSpec("update", "actor_update", ("adv",))))
 ORDER = ["rollout", "ref", "reward", "adv", "update"]   # reward after a trainer-side node
+# The sides the built-in roles declare (Role.side)
+ROLLOUT_SIDE_ROLES, FOLLOWER_ROLES = roles_on_side("rollout"), roles_on_side("follower")
 
 
 def test_placement_defaults_half_and_half_and_puts_the_rollout_side_first():
@@ -47,8 +50,9 @@ def test_placement_follows_options_ranks_and_refuses_what_cannot_loop():
     with pytest.raises(GraphError, match="'r2'.*depends on trainer-side"):
         place_async(late, ORDER + ["r2"], 2, ROLLOUT_SIDE_ROLES)
     dapo = GraphSpec("g", GRPO.nodes + (NodeSpec("f", "filter", ("reward",)),))
-    with pytest.raises(GraphError, match="'f'.*filter.*not supported"):
-        place_async(dapo, ORDER + ["f"], 2, ROLLOUT_SIDE_ROLES)
+    with pytest.raises(GraphError, match="'f'.*filter.*not supported.*dynamic sampling"):
+        place_async(dapo, ORDER + ["f"], 2, ROLLOUT_SIDE_ROLES,
+                    refusals={"filter": ROLES.get("filter").async_refusal})
 
 
 def test_the_frozen_reference_follows_its_inputs_to_the_rollout_side():

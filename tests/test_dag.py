@@ -20,9 +20,14 @@ from dagrl.dag.spec import (
 )
 from dagrl.roles.plan import load_builtin_roles
 from dagrl.roles.registry import ROLES, import_user_modules
+from dagrl.rollout import rollout_backend
 
 ROLES_ = load_builtin_roles()
-grpo_graph = BUILTIN_GRAPHS.get("grpo")
+
+
+def grpo_graph(cfg: Config) -> GraphSpec:
+    """The built-in GRPO graph, with the configured rollout backend's capabilities."""
+    return BUILTIN_GRAPHS.get("grpo")(cfg, rollout_backend(cfg))
 
 
 def write(tmp_path, text, name="g.yaml"):

@@ -117,7 +117,8 @@ def test_declared_fields_are_the_batch_fields(tmp_path, algorithm):
     cfg = prepare_run(config(tmp_path / "run", f"algorithm.name={algorithm}",
                              "data.train_batch_size=4", "actor.mini_batch_size=4"))
     worker = Worker(cfg)
-    batch = worker.run_tasks(worker.plan.tasks, 1, StepMetrics())
+    batch = worker.run_tasks(worker.plan.tasks, worker.source.next_batch(1, StepMetrics()), 1,
+                             StepMetrics())
     declared = dict(PROMPT_FIELDS)
     for task in worker.plan.tasks:
         declared.update(ROLES.get(task.role).adds)

@@ -168,8 +168,10 @@ class RolloutConfig:
     # The generation backend (dagrl/rollout/): `native`, dagrl's decoder for Llama / Qwen2
     # models; `hf`, the model's own HF forward (any causal LM); `auto`, native when it supports
     # the model, else hf; `vllm`, vLLM's engine in the worker process (needs the vllm extra).
-    # `server`, OpenAI-compatible HTTP servers you run (rollout.server.*).
-    backend: Literal["auto", "native", "hf", "vllm", "server"] = "auto"
+    # `server`, OpenAI-compatible HTTP servers you run (rollout.server.*). Any name registered
+    # in dagrl.rollout.registry.ROLLOUT_BACKENDS: that layer, above this one, checks the name
+    # and the backend's own refusals when the config is loaded and when the graph is planned.
+    backend: str = "auto"
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     # Agent rollouts: tools, environments, several turns (dagrl/config/multi_turn.py).
@@ -185,6 +187,7 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         _check(self.n > 0, "n must be > 0")
+        _check(bool(self.backend), "backend must name a rollout backend (auto, native, hf, ...)")
         _check(self.max_staleness >= 0, "max_staleness must be >= 0 (0: on-policy)")
         _check(self.partial_chunk_tokens > 0, "partial_chunk_tokens must be > 0")
         _check(self.val_n > 0, "val_n must be > 0")
@@ -394,7 +397,7 @@ class DagConfig:
     # YAML file describing the graph (see docs/architecture.md).
     graph: str = ""
     # Python modules or .py files imported before the graph is validated; they register
-    # user roles with `dagrl.register_role`.
+    # user roles with `dagrl.register_role` (or rollout backends, docs/extending.md).
     modules: list[str] = field(default_factory=list)
 
 
@@ -570,18 +573,9 @@ class Config:
         _check(self.actor.mini_batch_size % workers == 0,
                f"actor.mini_batch_size ({self.actor.mini_batch_size}) must be divisible by "
                f"trainer.n_workers ({workers})")
-        _check(self.rollout.backend != "vllm" or not self.model.gguf_file,
-               "rollout.backend=vllm loads model.path as a safetensors directory; export the "
-               "GGUF model to one first (model.gguf_file must be empty)")
-        _check(self.rollout.backend != "vllm" or self.model.dtype != "float64",
-               "rollout.backend=vllm has no float64 kernels; use model.dtype=float32 or bfloat16")
-        server = self.rollout.server
-        _check(self.rollout.backend != "server" or bool(server.urls),
-               "rollout.backend=server needs rollout.server.urls")
-        _check(self.rollout.backend != "server" or server.frozen_policy,
-               "rollout.backend=server cannot send the trained weights to the servers yet; set "
-               "rollout.server.frozen_policy=true to generate with their fixed weights "
-               "(evaluation, off-policy training)")
+        # rollout.backend's own refusals (vLLM and GGUF or float64, a server without URLs or a
+        # frozen policy, async with a backend that cannot serve it) are the backend class's
+        # `check_config` (dagrl/rollout/), run by `dagrl.rollout.rollout_backend`.
         _check(not (self.trainer.val_every or self.trainer.val_before_train)
                or bool(self.data.val_files),
                "trainer.val_every / trainer.val_before_train need data.val_files")
@@ -622,21 +616,8 @@ class Config:
                    for c in (self, *self.derived_models.values()))
 
     @property
-    def data_parallel_size(self) -> int:
-        """Data-parallel replicas of the training layout: trainer.n_workers / (tp x sp)."""
-        return self.trainer.n_workers // self.actor.model_parallel_size
-
-    @property
     def is_async(self) -> bool:
         return self.trainer.mode == "async"
-
-    @property
-    def mini_batch_samples_per_rank(self) -> int:
-        """Samples per optimizer step on each worker: actor.mini_batch_size counts prompts over
-        all workers, each with rollout.n samples (actor and critic step on the same ones). The
-        ranks of one tensor/sequence-parallel replica step on the same samples, so this is per
-        replica (trainer.mode=async: engines/bundle.py divides over the trainer ranks)."""
-        return self.actor.mini_batch_size * self.rollout.n // self.data_parallel_size
 
 
 def _check_multi_turn(cfg: Config) -> None:
@@ -670,8 +651,8 @@ def _check_async(cfg: Config) -> None:
         return
     _check(t.n_workers >= 2, f"trainer.mode=async needs trainer.n_workers >= 2 (rollout and "
                              f"training run on different workers), got {t.n_workers}")
-    _check(r.backend in ("auto", "native", "hf"),
-           f"trainer.mode=async supports rollout.backend auto, native or hf, not {r.backend}")
+    # Whether rollout.backend can serve async mode (take each new policy's weights, and be
+    # built on the rollout ranks alone) is the backend's own check (RolloutBackend.check_config).
     _check(not (t.val_every or t.val_before_train),
            "trainer.mode=async does not validate yet: set trainer.val_every=0 and "
            "trainer.val_before_train=false")

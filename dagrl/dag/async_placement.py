@@ -1,15 +1,15 @@
 """Placement of a graph for trainer.mode=async: the rollout side on one subset of the ranks, the
 rest of the graph (the trainer side) on the others.
 
-The rollout side is every node whose role generates or scores (`ROLLOUT_SIDE_ROLES`, passed in
-by the roles layer), and every node of a role that reads no trained weights (`FOLLOWER_ROLES`:
-the frozen reference's `ref_logprob`) whose dependencies are all on the rollout side — its
-forward pass then runs where the samples are made, which takes that work off the trainer ranks
-(on two workers the trainer side is the slower one). A rollout-side node must not depend on a
-trainer-side node, so the two sides can run as two loops: the rollout ranks run the rollout
-side batch after batch and push what it returns into the async buffer; the trainer ranks pull
-batches from it and run the trainer side. The planner then sees one reshard, rollout ranks ->
-trainer ranks, and that reshard is where the buffer is.
+The rollout side is every node whose role generates or scores (roles declaring side="rollout",
+passed in by the roles layer), and every node of a role that reads no trained weights
+(side="follower": the frozen reference's `ref_logprob`) whose dependencies are all on the
+rollout side — its forward pass then runs where the samples are made, which takes that work off
+the trainer ranks (on two workers the trainer side is the slower one). A rollout-side node must
+not depend on a trainer-side node, so the two sides can step independently: the rollout ranks
+run the rollout side batch after batch and push what it returns into the async buffer; the
+trainer ranks pull batches from it and run the trainer side. The planner then sees one reshard,
+rollout ranks -> trainer ranks, and that reshard is where the buffer is.
 
 Default placement (a node's `options.ranks` overrides it): with W workers the trainer side gets
 ranks [0, ceil(W/2)) and the rollout side the rest — half and half, the trainer the larger half
@@ -21,16 +21,11 @@ side's ranks.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 from dagrl.dag.planner import node_ranks
 from dagrl.dag.spec import GraphError, GraphSpec
-
-# Roles that cannot run in async mode, and why.
-UNSUPPORTED = {
-    "filter": "DAPO's dynamic sampling regenerates on demand inside the training step",
-}
 
 
 @dataclass(frozen=True)
@@ -46,20 +41,22 @@ def default_trainer_ranks(world_size: int) -> tuple[int, ...]:
 
 
 def place_async(graph: GraphSpec, order: list[str], world_size: int,
-                rollout_roles: Collection[str], follower_roles: Collection[str] = ()
+                rollout_roles: Collection[str], follower_roles: Collection[str] = (),
+                refusals: Mapping[str, str] | None = None
                 ) -> tuple[GraphSpec, list[str], AsyncSides]:
     """The graph with every node's `options.ranks` set (its own, or its side's default), the
     execution order with the rollout side first, and the two sides. A node of a role in
     `follower_roles` joins the rollout side when all its dependencies are there (and its own
-    `options.ranks`, if set, are not the trainer side's); else the trainer side. Errors name
-    the node."""
+    `options.ranks`, if set, are not the trainer side's); else the trainer side. `refusals`:
+    role -> why it cannot run in async mode (the roles declare it). Errors name the node."""
+    refusals = refusals or {}
     if world_size < 2:
         raise GraphError("trainer.mode=async needs at least 2 workers")
     for node_id in order:
         role = graph.node(node_id).role
-        if role in UNSUPPORTED:
+        if refusals.get(role):
             raise GraphError(f"node {node_id!r}: role {role!r} is not supported in "
-                             f"trainer.mode=async ({UNSUPPORTED[role]})")
+                             f"trainer.mode=async ({refusals[role]})")
     rollout = [n for n in order if graph.node(n).role in rollout_roles]
     explicit = [node_ranks(graph.node(n), world_size) for n in rollout
                 if graph.node(n).options.get("ranks") is not None]

@@ -7,12 +7,15 @@ All are variations of one policy-gradient graph:
                       -> [kl_penalty] -> advantage -> actor_update, [critic_update]
 
 A graph function receives the config because a node's presence can depend on it: the
-reference model is only built (and its node only planned) when a KL term uses it.
+reference model is only built (and its node only planned) when a KL term uses it. It also
+receives the rollout backend's declared capabilities (`RolloutTraits`), which the caller looks up
+(`dagrl.rollout.rollout_backend(cfg)`, in roles/plan.py): dag/ sits below rollout/ and cannot.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 from dagrl.config.schema import Config
 from dagrl.dag.spec import GraphSpec, NodeSpec
@@ -21,7 +24,19 @@ from dagrl.registry import Registry
 # The role of the `reward` node for each reward.source (roles/score.py, roles/model_reward.py).
 REWARD_ROLES = {"rule": "reward", "reward_model": "reward_model", "judge": "judge"}
 
-BUILTIN_GRAPHS: Registry[Callable[[Config], GraphSpec]] = Registry("built-in graph")
+
+class RolloutTraits(Protocol):
+    """What a graph reads of the configured rollout backend (a `dagrl.rollout.RolloutBackend`
+    class, whose docstrings give the physical reasons)."""
+
+    # Its log-probs are computed with the trainer's numerics: equal to pi_old when the policy
+    # has not moved since it generated.
+    trainer_numerics: bool
+
+
+GraphBuilder = Callable[[Config, RolloutTraits], GraphSpec]
+
+BUILTIN_GRAPHS: Registry[GraphBuilder] = Registry("built-in graph")
 
 
 def uses_reference(cfg: Config) -> bool:
@@ -34,24 +49,26 @@ def one_update_per_batch(cfg: Config) -> bool:
     return cfg.actor.ppo_epochs == 1 and cfg.actor.mini_batch_size == cfg.data.train_batch_size
 
 
-def uses_old_logprob(cfg: Config) -> bool:
+def uses_old_logprob(cfg: Config, rollout: RolloutTraits) -> bool:
     """The old_logprob pass is needed unless pi_old = pi (see actor.skip_on_policy_old_logprob);
-    a KL penalty in the reward reads pi_old before the update, so it always needs the pass. With
-    vLLM, whose numerics differ from the trainer's, and with servers, whose weights are frozen,
-    pi_old is recomputed by the trainer. Some algorithms read pi_old themselves (the optimal
-    token baseline, the rollout correction: `AlgorithmConfig.needs_old_logprob`); in verl's
-    bypass mode (policy_loss=bypass_mode) pi_old is the rollout policy and the pass is left out."""
+    a KL penalty in the reward reads pi_old before the update, so it always needs the pass. A
+    backend without the trainer's numerics (vLLM's kernels, a server's, or its frozen weights)
+    gives log-probs that are not pi_old, so the trainer recomputes them. Some algorithms read
+    pi_old themselves (the optimal token baseline, the rollout correction:
+    `AlgorithmConfig.needs_old_logprob`); in verl's bypass mode (policy_loss=bypass_mode) pi_old
+    is the rollout policy and the pass is left out."""
     algo = cfg.algorithm
     if algo.kl_in_reward or algo.needs_old_logprob:
         return True
     if algo.bypass_mode:   # the loss takes the rollout's log-probs as pi_old
         return False
     return (not cfg.actor.skip_on_policy_old_logprob or not one_update_per_batch(cfg)
-            or cfg.rollout.backend in ("vllm", "server"))
+            or not rollout.trainer_numerics)
 
 
-def policy_graph(name: str, cfg: Config, *, greedy_baseline: bool = False,
-                 dynamic_sampling: bool = False, critic: bool = False) -> GraphSpec:
+def policy_graph(name: str, cfg: Config, rollout: RolloutTraits, *,
+                 greedy_baseline: bool = False, dynamic_sampling: bool = False,
+                 critic: bool = False) -> GraphSpec:
     nodes = []
     if greedy_baseline:
         nodes.append(NodeSpec("greedy_baseline", "greedy_baseline"))
@@ -63,7 +80,7 @@ def policy_graph(name: str, cfg: Config, *, greedy_baseline: bool = False,
         nodes.append(NodeSpec("filter", "filter", ("reward",)))
         source = "filter"
     forward = []
-    if uses_old_logprob(cfg):
+    if uses_old_logprob(cfg, rollout):
         nodes.append(NodeSpec("old_logprob", "old_logprob", (source,)))
         forward.append("old_logprob")
     if uses_reference(cfg):
@@ -83,8 +100,8 @@ def policy_graph(name: str, cfg: Config, *, greedy_baseline: bool = False,
 
 
 def _register(name: str, doc: str, **kwargs) -> None:
-    def build(cfg: Config) -> GraphSpec:
-        return policy_graph(name, cfg, **kwargs)
+    def build(cfg: Config, rollout: RolloutTraits) -> GraphSpec:
+        return policy_graph(name, cfg, rollout, **kwargs)
 
     build.__doc__ = doc
     BUILTIN_GRAPHS.add(name, build)

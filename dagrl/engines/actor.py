@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 
 import torch
-import torch.distributed as dist
 
 from dagrl.algorithms.kl import kl_penalty
 from dagrl.algorithms.loss_agg import agg_loss
@@ -22,6 +21,7 @@ from dagrl.algorithms.rollout_correction import RolloutCorrectionParams
 from dagrl.config.schema import ActorConfig, AlgorithmConfig, RolloutCorrectionConfig
 from dagrl.data.batch import Batch, response_attention
 from dagrl.engines.forward import batch_logprob_stats, response_logprobs
+from dagrl.engines.layout import EngineLayout
 from dagrl.engines.lora import is_lora, lora_scalings, merged_weights
 from dagrl.engines.train_engine import TrainEngine, token_mean
 from dagrl.engines.weight_sync import gather_full_weights
@@ -32,18 +32,13 @@ class ActorEngine(TrainEngine):
     name = "actor"
     loss_metric = "pg_loss"
 
-    def __init__(self, model: torch.nn.Module, cfg: ActorConfig, algo: AlgorithmConfig, *,
-                 temperature: float, mini_batch_samples: int, pack_sequences: bool = False,
-                 mixed_precision: str = "none",
-                 dp_group: dist.ProcessGroup | None = None, grad_scale: int = 0) -> None:
+    def __init__(self, model: torch.nn.Module, cfg: ActorConfig, algo: AlgorithmConfig,
+                 layout: EngineLayout, *, temperature: float) -> None:
         """`temperature`: the T of log softmax(z / T), the one the rollout recorded
-        (`rollout.sampling.logprob_temperature`)."""
-        super().__init__(model, cfg, loss_agg_mode=algo.loss_agg_mode,
-                         mini_batch_samples=mini_batch_samples,
+        (`rollout.sampling.logprob_temperature`); `layout`: see TrainEngine."""
+        super().__init__(model, cfg, layout, loss_agg_mode=algo.loss_agg_mode,
                          micro_batch_size=cfg.micro_batch_size, epochs=cfg.ppo_epochs,
-                         max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
-                         pack_sequences=pack_sequences, mixed_precision=mixed_precision,
-                         dp_group=dp_group, grad_scale=grad_scale)
+                         max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
         self.cfg, self.algo = cfg, algo
         self.temperature = temperature
         self.policy_loss_fn = POLICY_LOSSES.get(algo.policy_loss)

@@ -1,18 +1,20 @@
-"""The models and services one worker hosts, built only for the roles its plan runs.
+"""The models and services one worker hosts, built only for the roles its plan runs, as the
+engine layout (engines/layout.py) places them: one small builder per engine.
 
 Actor and reference are FSDP2-sharded over all workers, or (HSDP, trainer.fsdp_shard_size)
 over groups of workers and replicated across them (under LoRA the reference is the
 actor's own model with its adapters off, engines/lora.py); with tensor / sequence
 parallelism they and the critic share one dp x sp x tp mesh (engines/mesh.py). The rollout
 engine holds a full, unsharded copy on each worker (generation needs every weight at every
-step), except with one worker and the native decoder, which then reads the actor's own
-weights. After each actor update every worker takes part in gathering the full weights, bucket
-by bucket (engines/weight_sync.py), and the ones that generate copy them into their rollout
-engine in place, so no second full copy of the model is held.
+step), except with one worker, where it is built from the actor (the native decoder reads the
+actor's own weights). After each actor update every worker takes part in gathering the full
+weights, bucket by bucket (engines/weight_sync.py), and the ones that generate copy them into
+their rollout engine in place, so no second full copy of the model is held.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dagrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
-from dagrl.config.schema import Config
+from dagrl.config.schema import AlgorithmConfig, Config, RewardConfig
 from dagrl.device import is_host
 from dagrl.engines.actor import ActorEngine
 from dagrl.engines.critic import CriticEngine, load_value_model
@@ -33,17 +35,17 @@ from dagrl.engines.host_memory import (
     map_large_blocks,
 )
 from dagrl.engines.judge import Judge
+from dagrl.engines.layout import EngineLayout
 from dagrl.engines.lora import (
     ADAPTER_DIR,
     ReferenceView,
-    apply_lora,
     is_lora,
     plain_copy,
     save_adapter_config,
 )
 from dagrl.engines.mesh import build_train_mesh, parallelize_model
+from dagrl.engines.model_build import actor_model, reference_model
 from dagrl.engines.models import DTYPES, cast_copy, load_model, load_tokenizer, plain_config
-from dagrl.engines.precision import store_linears_in_low_precision
 from dagrl.engines.reward_model import RewardModelEngine, load_reward_model
 from dagrl.engines.sharding import checkpoint_activations, compile_layers, shard_model
 from dagrl.envs import load_environment
@@ -72,6 +74,9 @@ class Engines:
     kl_controller: FixedKLController | AdaptiveKLController | None = None
     log: Callable[[str], None] = field(default=print)
     synced_version: int = 0   # the actor version the rollout engines hold (the same on every rank)
+    # Where the actor's new weights go after an update: this worker's rollout engine (None), or
+    # a channel to the rollout ranks of an async run (engines/weight_channel.WeightSender).
+    weight_sink: object | None = None
 
     def write_hf_files(self, out: Path) -> None:
         """What `dagrl export` needs beside a checkpoint's weights: the actor's model config
@@ -85,16 +90,18 @@ class Engines:
 
     def sync_rollout_weights(self) -> float:
         """After an update: gather the actor's full weights (collective over the actor's ranks)
-        and load them into this worker's rollout engine. Returns the seconds spent."""
+        and load them into this worker's rollout engine, or send them to the rollout ranks
+        (`weight_sink`). Returns the seconds spent."""
         if self.actor is None or self.synced_version == self.actor.version:
             return 0.0
-        if getattr(self.rollout, "shared", False):   # generates with the actor's own weights
-            self.rollout.weights_version = self.synced_version = self.actor.version
+        sink = self.weight_sink if self.weight_sink is not None else self.rollout
+        if getattr(sink, "shared", False):   # generates with the actor's own weights
+            sink.weights_version = self.synced_version = self.actor.version
             return 0.0
         start = time.perf_counter()
         weights = self.actor.full_weights()
-        if self.rollout is not None:
-            self.rollout.update_weights(weights, self.actor.version)
+        if sink is not None:
+            sink.update_weights(weights, self.actor.version)
         else:
             for _ in weights:   # still take part in every all-gather
                 pass
@@ -104,142 +111,175 @@ class Engines:
 
 def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
                   world_size: int = 1, log: Callable[[str], None] = print,
-                  tokenizer=None, dp_group: dist.ProcessGroup | None = None) -> Engines:
-    """Build the engines in `needed` (names from dagrl.roles.registry.ENGINES); `tokenizer`:
-    the run's, when the caller has loaded it already (the worker does, for its pre-flight);
-    `dp_group`: the ranks the trained models are sharded over when not all of them
-    (trainer.mode=async: the trainer ranks; `world_size` is then their number)."""
-    m = cfg.model
-    if is_host(device):                 # before any model is allocated (host_memory.py)
-        if cfg.trainer.keep_freed_memory:
-            keep_freed_memory()
-        if cfg.trainer.trim_host_memory:    # large blocks mapped on their own: no fragmentation
-            map_large_blocks(LARGE_BLOCK if m.mixed_precision == "none"
-                             else LARGE_BLOCK_MIXED_PRECISION)
-
-    def load(dtype: str = m.dtype) -> torch.nn.Module:
-        return load_model(m.path, m.gguf_file, dtype, device, m.attn_implementation)
-
-    a = cfg.actor
-    parallel = a.model_parallel_size > 1 and world_size > 1
-    # Tensor / sequence parallelism: one (dp, sp, tp) mesh for the actor, reference and critic.
-    mesh = (build_train_mesh(world_size, a.tensor_parallel_size, a.sequence_parallel_size,
-                             device.type) if parallel and needed & MESH_ENGINES else None)
-
-    shard_group = dp_group   # None: all ranks (dp_group is rebound below)
-
-    def shard(model: torch.nn.Module, offload: bool = False) -> torch.nn.Module:
-        if mesh is not None:    # the config refuses offload here
-            return parallelize_model(model, mesh)
-        # FSDP2 over all workers (or the async trainer ranks), or HSDP over groups of
-        # trainer.fsdp_shard_size (tp = sp = 1, sync only); `offload`: shards in host memory
-        return shard_model(model, world_size, device.type, cfg.trainer.fsdp_shard_size,
-                           group=shard_group, offload=offload)
-
+                  tokenizer=None, dp_group: dist.ProcessGroup | None = None,
+                  layout: EngineLayout | None = None) -> Engines:
+    """Build the engines in `needed` (names from dagrl.roles.registry.ENGINES) as `layout`
+    places them (engines/layout.py; default: a sync run of `world_size` ranks); `dp_group`:
+    the group of `layout.side_ranks` when not all of them (trainer.mode=async: this side's
+    ranks). `tokenizer`: the run's, when the caller has loaded it already (the worker does,
+    for its pre-flight)."""
+    if layout is None:
+        layout = EngineLayout.of(cfg, world_size, device_type=device.type)
+    _prepare_host(cfg, layout, device)
+    build = _Build(cfg, layout, device, needed, dp_group)
     if tokenizer is None:
-        tokenizer = load_tokenizer(m.path, m.gguf_file)
+        tokenizer = load_tokenizer(cfg.model.path, cfg.model.gguf_file)
     engines = Engines(tokenizer=tokenizer, log=log)
-    # Samples per optimizer step on each rank: the mini-batch over the ranks that train (per
-    # tensor/sequence-parallel replica; trainer.mode=async: over the trainer ranks, and
-    # tensor/sequence parallelism is refused there by the config).
-    mini_batch_samples = (cfg.mini_batch_samples_per_rank if dp_group is None else
-                          cfg.actor.mini_batch_size * cfg.rollout.n // world_size)
-    if mesh is not None:   # sums over the replicas; gradients averaged over dp x sp ranks
-        dp_group, grad_scale = mesh.dp_group, mesh.fsdp_size
-    elif dp_group is None:
-        dp_group, grad_scale = (dist.group.WORLD if world_size > 1 else None), 0
-    else:
-        dp_group, grad_scale = (dp_group if world_size > 1 else None), 0
     if "actor" in needed:
-        actor_model = load()
-        lora = a.lora
-        if lora.rank:
-            actor_model = apply_lora(actor_model, lora.rank, lora.alpha, lora.target_modules,
-                                     lora.dropout)
-        if cfg.actor.activation_checkpointing:
-            checkpoint_activations(actor_model)
-        if cfg.actor.compile:
-            compile_layers(actor_model)
-        engines.actor = ActorEngine(shard(actor_model, cfg.actor.offload), cfg.actor,
-                                    cfg.algorithm,
-                                    temperature=logprob_temperature(cfg.rollout.temperature),
-                                    mini_batch_samples=mini_batch_samples,
-                                    pack_sequences=m.pack_sequences,
-                                    mixed_precision=m.mixed_precision, dp_group=dp_group,
-                                    grad_scale=grad_scale)
+        engines.actor = build.actor()
     if "critic" in needed:
-        critic_model = load_value_model(cfg.critic.path or m.path, m.dtype, device,
-                                        m.attn_implementation)
-        engines.critic = CriticEngine(shard(critic_model, cfg.critic.offload), cfg.critic,
-                                      loss_agg_mode=cfg.algorithm.loss_agg_mode,
-                                      mini_batch_samples=mini_batch_samples,
-                                      pack_sequences=m.pack_sequences,
-                                      mixed_precision=m.mixed_precision, dp_group=dp_group,
-                                      grad_scale=grad_scale)
+        engines.critic = build.critic()
     if "rollout" in needed:
-        # Starts from the same checkpoint as the actor: nothing to sync before the first update.
-        # One worker: the native decoder reads the actor's own (whole) weights, no copy,
-        # unless the rollout runs in another dtype (mixed precision).
-        whole_actor = engines.actor.model if engines.actor and world_size == 1 else None
-        dtype = m.rollout_dtype
-
-        def load_rollout_copy() -> torch.nn.Module:
-            if whole_actor is None:
-                return load(dtype)
-            # Built from the whole actor, with no second load. Under LoRA the copy holds only
-            # the merged adapted linears and shares the actor's frozen tensors, unless mixed
-            # precision wants every weight cast to bfloat16.
-            if is_lora(whole_actor):
-                plain = plain_copy(whole_actor)
-                return plain if dtype == m.dtype else cast_copy(plain, DTYPES[dtype])
-            return cast_copy(whole_actor, DTYPES[dtype])
-
-        mt = cfg.rollout.multi_turn
-        format_stops = (MultiTurnRollout.format_stop_token_ids(tokenizer, mt.format)
-                        if mt.enable else [])
-        engines.rollout = build_rollout(cfg, load_rollout_copy, device,
-                                        eos_token_id=tokenizer.eos_token_id,
-                                        pad_token_id=tokenizer.pad_token_id,
-                                        actor_model=whole_actor if dtype == m.dtype else None,
-                                        extra_stop_token_ids=format_stops)
-        if mt.enable:
-            engines.agent = MultiTurnRollout(
-                engines.rollout, tokenizer, mt, tools=load_tools(mt.tools, mt),
-                env_factory=load_environment(mt.environment) if mt.environment else None,
-                prompt_width=cfg.data.max_prompt_length,
-                response_width=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
-    if "ref" in needed and cfg.actor.lora.rank and engines.actor is not None:
-        # Under LoRA the reference is the frozen base: the actor with its adapters off.
-        engines.ref_model = ReferenceView(engines.actor.model)
-    elif "ref" in needed:
-        ref = store_linears_in_low_precision(load().eval().requires_grad_(False),
-                                             m.mixed_precision)
-        if cfg.actor.compile:
-            compile_layers(ref)
-        engines.ref_model = shard(ref, cfg.ref.offload)
+        engines.rollout, engines.agent = build.rollout(tokenizer, engines.actor)
+    if "ref" in needed:
+        engines.ref_model = build.reference(engines.actor)
     if "reward" in needed:
-        r = cfg.reward
-        engines.reward_manager = RewardManager(on_error=r.on_error, custom_fn=r.custom_fn,
-                                               error_score=r.error_score, scorer=r.scorer,
-                                               num_workers=r.num_workers, timeout_s=r.timeout_s)
-    if "reward_model" in needed:   # FSDP2 / HSDP over the workers (no tp/sp), never trained
-        rm = cfg.reward_model
-        engines.reward_model = RewardModelEngine(
-            shard_model(load_reward_model(rm.path, rm.dtype, device, m.attn_implementation),
-                        world_size, device.type, cfg.trainer.fsdp_shard_size),
-            load_tokenizer(rm.path), micro_batch_size=rm.micro_batch_size,
-            max_length=rm.max_length, device=device)
-    if "judge" in needed:   # a whole copy per rank, like the rollout engine
-        j = cfg.judge
-        judge_tokenizer = load_tokenizer(j.path, j.gguf_file)
-        engine = model_rollout(j.backend, load_model(j.path, j.gguf_file, j.dtype, device,
-                                                     m.attn_implementation).eval(),
-                               eos_token_id=judge_tokenizer.eos_token_id,
-                               pad_token_id=judge_tokenizer.pad_token_id)
-        engines.judge = Judge(j, engine, judge_tokenizer)
-    algo = cfg.algorithm
-    if algo.kl_in_reward:
-        engines.kl_controller = (AdaptiveKLController(algo.kl_coef, algo.kl_target,
-                                                      algo.kl_horizon)
-                                 if algo.kl_ctrl == "adaptive" else FixedKLController(algo.kl_coef))
+        engines.reward_manager = reward_manager(cfg.reward)
+    if "reward_model" in needed:
+        engines.reward_model = build.reward_model()
+    if "judge" in needed:
+        engines.judge = build.judge()
+    engines.kl_controller = kl_controller(cfg.algorithm)
     return engines
+
+
+def _prepare_host(cfg: Config, layout: EngineLayout, device: torch.device) -> None:
+    """CPU workers, before any model is allocated: how malloc keeps and maps memory
+    (engines/host_memory.py)."""
+    if not is_host(device):
+        return
+    if cfg.trainer.keep_freed_memory:
+        keep_freed_memory()
+    if cfg.trainer.trim_host_memory:    # large blocks mapped on their own: no fragmentation
+        map_large_blocks(LARGE_BLOCK if layout.mixed_precision == "none"
+                         else LARGE_BLOCK_MIXED_PRECISION)
+
+
+class _Build:
+    """One build_engines call: the config, the layout bound to this process's data-parallel
+    group, the device and, under tensor / sequence parallelism, the training mesh (made here:
+    a collective over the ranks). One method per engine."""
+
+    def __init__(self, cfg: Config, layout: EngineLayout, device: torch.device,
+                 needed: set[str], shard_group: dist.ProcessGroup | None) -> None:
+        self.cfg, self.device = cfg, device
+        self.shard_group = shard_group      # None: all ranks
+        self.mesh = (build_train_mesh(layout.side_size, layout.tp, layout.sp, device.type)
+                     if layout.mesh and needed & MESH_ENGINES else None)
+        if self.mesh is not None:   # sums over the replicas; gradients averaged over dp x sp
+            dp_group = self.mesh.dp_group
+        else:
+            world = shard_group if shard_group is not None else dist.group.WORLD
+            dp_group = world if layout.side_size > 1 else None
+        self.layout = layout.with_dp_group(dp_group)
+
+    def load(self, dtype: str = "") -> torch.nn.Module:
+        m = self.cfg.model
+        return load_model(m.path, m.gguf_file, dtype or self.layout.param_dtype, self.device,
+                          m.attn_implementation)
+
+    def shard(self, model: torch.nn.Module, name: str) -> torch.nn.Module:
+        """`name`'s model on the training mesh, or FSDP2 over the side's ranks (HSDP over
+        groups of layout.fsdp_shard_size), its shards in host memory if the layout offloads
+        it; a no-op for one rank."""
+        if self.mesh is not None:    # the config refuses offload here
+            return parallelize_model(model, self.mesh)
+        return shard_model(model, self.layout.side_size, self.device.type,
+                           self.layout.fsdp_shard_size, group=self.shard_group,
+                           offload=name in self.layout.offload)
+
+    def actor(self) -> ActorEngine:
+        cfg = self.cfg
+        model = actor_model(self.load(), self.layout, cfg.actor.lora)
+        if cfg.actor.activation_checkpointing:
+            checkpoint_activations(model)
+        if cfg.actor.compile:
+            compile_layers(model)
+        return ActorEngine(self.shard(model, "actor"), cfg.actor, cfg.algorithm, self.layout,
+                           temperature=logprob_temperature(cfg.rollout.temperature))
+
+    def critic(self) -> CriticEngine:
+        cfg, m = self.cfg, self.cfg.model
+        model = load_value_model(cfg.critic.path or m.path, self.layout.param_dtype, self.device,
+                                 m.attn_implementation)
+        return CriticEngine(self.shard(model, "critic"), cfg.critic, self.layout,
+                            loss_agg_mode=cfg.algorithm.loss_agg_mode)
+
+    def rollout(self, tokenizer, actor: ActorEngine | None
+                ) -> tuple[RolloutEngine, MultiTurnRollout | None]:
+        """The rollout engine (it starts from the actor's checkpoint: nothing to sync before the
+        first update) and, with rollout.multi_turn, the agent loop over it."""
+        cfg = self.cfg
+        # One worker: the copy is built from the whole actor (or is the actor itself).
+        whole = actor.model if actor is not None and self.layout.whole_actor else None
+        mt = cfg.rollout.multi_turn
+        stops = MultiTurnRollout.format_stop_token_ids(tokenizer, mt.format) if mt.enable else []
+        engine = build_rollout(cfg, functools.partial(self.rollout_copy, whole), self.device,
+                               eos_token_id=tokenizer.eos_token_id,
+                               pad_token_id=tokenizer.pad_token_id,
+                               actor_model=whole if self.layout.rollout_copy == "shared" else None,
+                               extra_stop_token_ids=stops)
+        if not mt.enable:
+            return engine, None
+        return engine, MultiTurnRollout(
+            engine, tokenizer, mt, tools=load_tools(mt.tools, mt),
+            env_factory=load_environment(mt.environment) if mt.environment else None,
+            prompt_width=cfg.data.max_prompt_length, response_width=cfg.rollout.max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id)
+
+    def rollout_copy(self, whole_actor: torch.nn.Module | None) -> torch.nn.Module:
+        """The rollout engine's own weights (layout.rollout_copy): loaded in the rollout dtype,
+        or built from the whole actor with no second load. Under LoRA only the merged adapted
+        linears get storage (`plain_copy`), unless mixed precision casts every weight."""
+        dtype = self.layout.rollout_dtype
+        if whole_actor is None:
+            return self.load(dtype)
+        if is_lora(whole_actor):
+            plain = plain_copy(whole_actor)
+            return plain if dtype == self.layout.param_dtype else cast_copy(plain, DTYPES[dtype])
+        return cast_copy(whole_actor, DTYPES[dtype])
+
+    def reference(self, actor: ActorEngine | None):
+        """Under LoRA the frozen base: the actor with its adapters off; else a model of its
+        own, sharded like the actor."""
+        if self.layout.ref_is_actor and actor is not None:
+            return ReferenceView(actor.model)
+        ref = reference_model(self.load(), self.layout)
+        if self.cfg.actor.compile:
+            compile_layers(ref)
+        return self.shard(ref, "ref")
+
+    def reward_model(self) -> RewardModelEngine:
+        """FSDP2 / HSDP over the workers (no tp/sp), never trained."""
+        rm = self.cfg.reward_model
+        model = load_reward_model(rm.path, rm.dtype, self.device,
+                                  self.cfg.model.attn_implementation)
+        return RewardModelEngine(
+            shard_model(model, self.layout.side_size, self.device.type,
+                        self.layout.fsdp_shard_size),
+            load_tokenizer(rm.path), micro_batch_size=rm.micro_batch_size,
+            max_length=rm.max_length, device=self.device)
+
+    def judge(self) -> Judge:
+        """A whole copy per rank in an in-process rollout engine."""
+        j = self.cfg.judge
+        tokenizer = load_tokenizer(j.path, j.gguf_file)
+        model = load_model(j.path, j.gguf_file, j.dtype, self.device,
+                           self.cfg.model.attn_implementation).eval()
+        engine = model_rollout(j.backend, model, eos_token_id=tokenizer.eos_token_id,
+                               pad_token_id=tokenizer.pad_token_id)
+        return Judge(j, engine, tokenizer)
+
+
+def reward_manager(r: RewardConfig) -> RewardManager:
+    return RewardManager(on_error=r.on_error, custom_fn=r.custom_fn, error_score=r.error_score,
+                         scorer=r.scorer, num_workers=r.num_workers, timeout_s=r.timeout_s)
+
+
+def kl_controller(algo: AlgorithmConfig) -> FixedKLController | AdaptiveKLController | None:
+    """The KL-in-reward coefficient's controller (None without algorithm.kl_in_reward)."""
+    if not algo.kl_in_reward:
+        return None
+    if algo.kl_ctrl == "adaptive":
+        return AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
+    return FixedKLController(algo.kl_coef)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.distributed as dist
 from transformers import AutoModelForTokenClassification
 
 from dagrl.algorithms.loss_agg import agg_loss
@@ -15,6 +14,7 @@ from dagrl.config.schema import CriticConfig
 from dagrl.data.batch import Batch, response_attention
 from dagrl.engines.attention import resolve_attn_implementation
 from dagrl.engines.forward import batch_values, response_values
+from dagrl.engines.layout import EngineLayout
 from dagrl.engines.models import DTYPES, _disable_dropout, check_model_dir
 from dagrl.engines.train_engine import TrainEngine, token_mean
 from dagrl.observe.metrics import StepMetrics
@@ -36,17 +36,12 @@ class CriticEngine(TrainEngine):
     name = "critic"
     loss_metric = "vf_loss"
 
-    def __init__(self, model: torch.nn.Module, cfg: CriticConfig, *, loss_agg_mode: str,
-                 mini_batch_samples: int, pack_sequences: bool = False,
-                 mixed_precision: str = "none",
-                 dp_group: dist.ProcessGroup | None = None, grad_scale: int = 0) -> None:
-        """`mini_batch_samples`: the actor's (the critic steps on the same mini-batches)."""
-        super().__init__(model, cfg, loss_agg_mode=loss_agg_mode,
-                         mini_batch_samples=mini_batch_samples,
+    def __init__(self, model: torch.nn.Module, cfg: CriticConfig, layout: EngineLayout, *,
+                 loss_agg_mode: str) -> None:
+        """`layout`: see TrainEngine (the critic steps on the actor's mini-batches)."""
+        super().__init__(model, cfg, layout, loss_agg_mode=loss_agg_mode,
                          micro_batch_size=cfg.micro_batch_size, epochs=cfg.ppo_epochs,
-                         max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch,
-                         pack_sequences=pack_sequences, mixed_precision=mixed_precision,
-                         dp_group=dp_group, grad_scale=grad_scale)
+                         max_tokens_per_micro_batch=cfg.max_tokens_per_micro_batch)
         self.cfg = cfg
 
     def compute_values(self, batch: Batch) -> torch.Tensor:

@@ -2,28 +2,33 @@
 and the run's config before anything loads, so a run that cannot fit is changed before it
 starts (the run report then sets the estimate beside the measured peak).
 
-With P parameters (b bytes each), T of them trained (all, or the LoRA adapters), W workers
-(FSDP2 shards everything trained over all of them; under HSDP, trainer.fsdp_shard_size = k,
-W below stands for k: each group of k ranks holds a whole copy), one worker's R rollout rows
-and M samples per micro-batch of S = prompt + response tokens:
+Both the estimate and the engine build read one engine layout (engines/layout.py): the
+ranks each model shards over, the mesh, HSDP, LoRA, offload, dtypes, what the rollout copy is.
+The **states** are counted from the same model build the engines make (engines/model_build.py:
+LoRA wrapping, the reference's low-precision linears, the value and score heads), run on the
+meta device from the model's config: every parameter's bytes in its own dtype, split over tp
+for the ones tensor parallelism splits (engines/tensor_parallel.split_dims; the rest, norms and
+k/v projections with fewer KV heads than tp, whole on every tp rank), then divided by the
+ranks FSDP2 shards over (the layout's model_shard_size: the side's ranks, an HSDP group, or
+dp x sp on the mesh; uneven shards differ from this average by under a row per parameter):
 
-    actor weights      P b / W
-    gradients          T b / W                 (freed after each optimizer step)
-    AdamW state        2 T b / W               (exp_avg, exp_avg_sq)
-    reference weights  P b / W                 (0 under LoRA: the actor with adapters off;
-                                            linears in 2 bytes under mixed precision)
-    critic             (1 + 1 + 2) P_v b / W     (PPO: weights, gradients, AdamW state of the
-                       value model, P_v = P without an untied LM head, plus a scalar head)
+    actor weights      every parameter (under LoRA: the frozen base and the adapters)
+    gradients          the trained parameters (freed after each optimizer step)
+    AdamW state        2 x the trained parameters (exp_avg, exp_avg_sq)
+    reference weights  a model of its own (0 under LoRA: the actor with adapters off;
+                       linears in bfloat16 under mixed precision)
+    critic             weights, gradients, AdamW state of the value model (PPO)
+    rollout weights    layout.rollout_copy: 0 when shared with the actor or held by an
+                       external engine (vLLM, servers), the adapted linears only (LoRA, one
+                       worker), else the whole model in the rollout dtype
 
-Under tensor parallelism (tp) and sequence parallelism (sp), with dp = W / (tp sp) replicas,
-the P_r parameters tp replicates (norms; k/v projections with fewer KV heads than tp) are
-sharded over dp x sp ranks only: weights, gradients and AdamW state count (P - P_r) / W +
-P_r / (dp sp) of each. A rank's activations are those of S / sp tokens (Ulysses), of which the
-tp-split intermediates (q, attention output, k, v, MLP) count 1/tp; the logits chunk is
-[C, V / tp]. No [S, S] attention mask is built under sp (engines/ulysses.py).
-    rollout weights    P b' (a whole copy; 0 when the native decoder reads the actor's own
-                       weights, one worker without LoRA; the adapted linears only under LoRA;
-                       b' = 2 under mixed precision, a bfloat16 copy)
+trainer.mode=async: the trained states are the trainer side's, the rollout copy and KV cache
+the rollout side's, the reference where its node runs; the peak then adds both sides.
+
+The **transients** stay formulas over the model's shape (`ModelShape`) and the layout, with
+one worker's R rollout rows and M samples per micro-batch of S = prompt + response tokens
+(b bytes per parameter, b' per rollout value):
+
     KV cache           2 L R S n_kv d b'      (the native decoder preallocates it; the larger
                        of a training and a validation rollout)
     activations        M S H b L              (checkpointed: each layer's input; one layer's
@@ -33,6 +38,11 @@ tp-split intermediates (q, attention output, k, v, MLP) count 1/tp; the logits c
     autocast casts     2 T                     (mixed precision: the bfloat16 copies of the
                        trained weights autocast keeps during a forward; the layers'
                        intermediates then count 2 bytes)
+
+Under tensor parallelism (tp) and sequence parallelism (sp) a rank's activations are those of
+S / sp tokens (Ulysses), of which the tp-split intermediates (q, attention output, k, v, MLP)
+count 1/tp; the logits chunk is [C, V / tp]. No [S, S] attention mask is built under sp
+(engines/ulysses.py).
 
 With actor/ref/critic.offload on an accelerator those shards count 0 on the device (their
 bytes are named in the line's note: they are in host memory).
@@ -44,10 +54,14 @@ their own memory (rollout.vllm.gpu_memory_utilization).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+
+import torch
 
 from dagrl.config.schema import Config
-from dagrl.device import HOST, device_type
+from dagrl.device import HOST
+from dagrl.engines.layout import EngineLayout, rollout_owns_memory
+from dagrl.engines.model_build import actor_model, meta_model, reference_model
 from dagrl.engines.models import (
     BUILTIN_PREFIX,
     DTYPES,
@@ -56,6 +70,7 @@ from dagrl.engines.models import (
     resolve_builtin_model,
     tiny_model_config,
 )
+from dagrl.engines.tensor_parallel import split_dims
 from dagrl.engines.tiny_reward_model import NAME as TINY_RM
 from dagrl.engines.tiny_reward_model import tiny_digit_rm_config
 
@@ -64,7 +79,8 @@ GiB = 2**30
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the estimate needs of a decoder-only model (Llama / Qwen2 layout)."""
+    """What the transients' formulas need of a decoder-only model (Llama / Qwen2 layout), and
+    the HF config the states are counted from (`config`, when made by `of`)."""
     hidden: int
     layers: int
     heads: int
@@ -74,6 +90,7 @@ class ModelShape:
     vocab: int
     tied: bool
     qkv_bias: bool = False      # Qwen2's q/k/v projections carry biases
+    config: object = field(default=None, compare=False, repr=False)
 
     @classmethod
     def of(cls, c) -> ModelShape:
@@ -81,7 +98,7 @@ class ModelShape:
         return cls(c.hidden_size, c.num_hidden_layers, c.num_attention_heads,
                    c.num_key_value_heads or c.num_attention_heads, head_dim,
                    c.intermediate_size, c.vocab_size, bool(c.tie_word_embeddings),
-                   bool(getattr(c, "attention_bias", c.model_type == "qwen2")))
+                   bool(getattr(c, "attention_bias", c.model_type == "qwen2")), config=c)
 
     @property
     def linear_params(self) -> int:
@@ -103,16 +120,6 @@ class ModelShape:
         """The critic built from this model (`*ForTokenClassification`, one label): the
         backbone without the LM head, plus a scalar head with its bias."""
         return self.params - (0 if self.tied else self.vocab * self.hidden) + self.hidden + 1
-
-    def replicated_params(self, tp: int) -> int:
-        """Parameters tensor parallelism over `tp` ranks keeps whole on every rank: the norms,
-        and k_proj / v_proj (with biases) when there are fewer KV heads than ranks."""
-        if tp == 1:
-            return 0
-        norms = self.hidden * (2 * self.layers + 1)
-        kv = self.kv_heads * self.head_dim
-        kv_proj = self.layers * 2 * (self.hidden * kv + kv * self.qkv_bias)
-        return norms + (kv_proj if self.kv_heads % tp else 0)
 
     def lora_params(self, rank: int) -> int:
         """A [r, in] and B [out, r] on every linear of every layer (all-linear)."""
@@ -174,19 +181,17 @@ def other_model_lines(cfg: Config, shapes: dict[str, ModelShape],
         for line in estimate_memory(derived, shapes[name], has_ref=name in with_ref):
             if line.phase == "state" and line.bytes:
                 lines.append(MemoryLine(f"{name}: {line.name}", line.bytes, line.note))
-    w = cfg.trainer.n_workers
-    s = cfg.trainer.fsdp_shard_size or w
-    if "reward_model" in shapes:
-        shape = shapes["reward_model"]   # the LM head (if untied) is a one-label score head
-        p = shape.params - (0 if shape.tied else shape.vocab * shape.hidden) + shape.hidden
-        b = DTYPES[cfg.reward_model.dtype].itemsize
-        lines.append(MemoryLine("reward model weights", p * b // s,
-                                f"{p / 1e6:.1f}M params" + (f" / {s} workers (FSDP2)" if s > 1
-                                                            else "")))
+    if "reward_model" in shapes:   # sharded like any FSDP2 model, never on the mesh
+        s = EngineLayout.of(cfg, cfg.trainer.n_workers).fsdp_shard_size
+        rm = held_bytes(meta_model(shapes["reward_model"].config, cfg.reward_model.dtype,
+                                   "score"), s)
+        lines.append(MemoryLine("reward model weights", rm.bytes,
+                                f"{rm.params / 1e6:.1f}M params" + (f" / {s} workers (FSDP2)"
+                                                                    if s > 1 else "")))
     if "judge" in shapes:
-        p = shapes["judge"].params
-        lines.append(MemoryLine("judge weights", p * DTYPES[cfg.judge.dtype].itemsize,
-                                f"{p / 1e6:.1f}M params, a whole copy per rank"))
+        judge = held_bytes(meta_model(shapes["judge"].config, cfg.judge.dtype), 1)
+        lines.append(MemoryLine("judge weights", judge.bytes,
+                                f"{judge.params / 1e6:.1f}M params, a whole copy per rank"))
     return lines
 
 
@@ -198,105 +203,191 @@ class MemoryLine:
     phase: str = "state"    # state: held all run; rollout / update: alive in that phase only
 
 
-def critic_shape(cfg: Config, shape: ModelShape) -> ModelShape:
-    """The critic's source model: critic.path's config, or the actor's (`shape`)."""
-    return ModelShape.of(_config_at(cfg.critic.path, "")) if cfg.critic.path else shape
+@dataclass(frozen=True)
+class HeldBytes:
+    """What a model holds: its parameters and trained parameters (whole-model counts), and
+    their bytes on one rank."""
+    params: int
+    trained: int
+    bytes: int
+    trained_bytes: int
+
+
+def held_bytes(model: torch.nn.Module, shards: int, tp: int = 1) -> HeldBytes:
+    """Per-rank bytes of `model`'s parameters (each tied tensor once), in their own dtypes:
+    tensor parallelism over `tp` ranks splits the ones `split_dims` names, then FSDP2 shards
+    everything over `shards` ranks."""
+    dims = split_dims(model, tp)
+    params = trained = held = held_trained = 0
+    for p in model.parameters():
+        local = p.numel() * p.element_size() // (tp if id(p) in dims else 1)
+        params += p.numel()
+        held += local
+        if p.requires_grad:
+            trained += p.numel()
+            held_trained += local
+    return HeldBytes(params, trained, held // shards, held_trained // shards)
 
 
 def estimate_memory(cfg: Config, shape: ModelShape, *, has_ref: bool = True,
-                    has_critic: bool = False) -> list[MemoryLine]:
+                    has_critic: bool = False, layout: EngineLayout | None = None,
+                    rollout_layout: EngineLayout | None = None,
+                    ref_layout: EngineLayout | None = None) -> list[MemoryLine]:
     """Per-rank bytes of the run's states and largest transients (see the module docstring);
-    `has_critic`: the graph trains a value model (PPO), counted like the actor's states."""
-    b = DTYPES[cfg.model.dtype].itemsize
-    w = cfg.trainer.n_workers
-    a = cfg.actor
-    tp, sp = (a.tensor_parallel_size, a.sequence_parallel_size) if w > 1 else (1, 1)
-    # Ranks a model is sharded over: all W, or (HSDP, tp = sp = 1 only) its group of
-    # trainer.fsdp_shard_size, each group holding a whole copy.
-    s = cfg.trainer.fsdp_shard_size or w
-    lora = cfg.actor.lora.rank
-    p = shape.params
-    trained = shape.lora_params(lora) if lora else p
-    rep = shape.replicated_params(tp)
-
-    def per_rank(count: int, nbytes: int = b) -> int:
-        """Bytes per rank of `count` parameters: FSDP2 over the s ranks of a shard group (all
-        W without HSDP), the ones tp replicates (when `count` is the whole model) over dp x sp
-        only."""
-        held = count + rep * (tp - 1) if count == p else count
-        return held * nbytes // s
-
-    mesh = (f" / {s} workers (FSDP2{' group' if s < w else ''})" if s > 1 and tp * sp == 1
-            else f" over {w // (tp * sp)} dp x {sp} sp x {tp} tp" if w > 1 and tp * sp > 1
-            else "")
-    lines = [MemoryLine("actor weights", per_rank(p), f"{p / 1e6:.1f}M params" + mesh)]
-    lines.append(MemoryLine("gradients", per_rank(trained),
-                            f"{trained / 1e6:.2f}M trained" + (" (LoRA)" if lora else ""),
-                            "update"))
-    lines.append(MemoryLine("AdamW state", per_rank(trained, 2 * b),
-                            "exp_avg + exp_avg_sq"))
-    mixed = cfg.model.mixed_precision != "none"
-    ref_note = "adapters off: no copy" if lora else ("" if has_ref else "no ref")
-    ref = per_rank(p) if has_ref and not lora else 0
-    if ref and mixed:   # the linears in bfloat16 (engines/precision.py), the rest in b bytes
-        linears = shape.linear_params + (0 if shape.tied else shape.vocab * shape.hidden)
-        ref = ((p - linears) * b + linears * 2 + rep * (tp - 1) * b) // s
-        ref_note = "linears in bfloat16"
-    lines.append(MemoryLine("reference weights", ref, ref_note))
+    `has_critic`: the graph trains a value model (PPO), counted like the actor's states.
+    `layout`: the trained models' (default: the config's over trainer.n_workers; async: the
+    default trainer side); `rollout_layout`, `ref_layout`: the layouts of the ranks that
+    generate and that run the reference, when not `layout`'s (async: the other side)."""
+    layout = layout or EngineLayout.of(cfg, cfg.trainer.n_workers)
+    rollout_layout = rollout_layout or _rollout_side(cfg, layout)
+    ref_layout = ref_layout or (rollout_layout if layout.side == "trainer" else layout)
+    config = shape.config or model_config(cfg)
+    actor = actor_model(meta_model(config, layout.param_dtype), layout, cfg.actor.lora)
+    held = held_bytes(actor, layout.model_shard_size, layout.tp)
+    lines = _actor_lines(held, layout)
+    lines.append(_reference_line(config, ref_layout, has_ref))
     if has_critic:      # FSDP2 over the same ranks as the actor
-        pc = critic_shape(cfg, shape).value_params
-        lines.append(MemoryLine("critic weights", per_rank(pc), f"{pc / 1e6:.1f}M params "
-                                "(value model)"))
-        lines.append(MemoryLine("critic gradients", per_rank(pc), "", "update"))
-        lines.append(MemoryLine("critic AdamW state", per_rank(pc, 2 * b), ""))
-    # FSDP2 CPU offload on an accelerator: those shards are in host memory, not on the device
-    # (one unit at a time is gathered there, like any FSDP2 unit: not counted).
-    # (trainer.device names the run's device, present here or not; auto: this machine's)
-    on_accelerator = (cfg.trainer.device if cfg.trainer.device != "auto"
-                      else device_type("auto")) != HOST
-    for key, on, names in (
-            ("actor.offload", a.offload, ("actor weights", "gradients", "AdamW state")),
-            ("ref.offload", cfg.ref.offload, ("reference weights",)),
-            ("critic.offload", cfg.critic.offload,
-             ("critic weights", "critic gradients", "critic AdamW state"))):
-        if on and on_accelerator:
-            lines = [MemoryLine(x.name, 0, f"{x.bytes / GiB:.2f} GiB in host memory ({key})",
-                                x.phase) if x.name in names and x.bytes else x for x in lines]
-    backend = cfg.rollout.backend
-    rb = DTYPES[cfg.model.rollout_dtype].itemsize      # the rollout copy's bytes per value
-    if backend in ("vllm", "server"):
-        rollout, note = 0, "held by the engine (not counted)"
-    elif w == 1 and mixed:
-        rollout, note = p * rb, f"a {cfg.model.rollout_dtype} cast of the actor"
-    elif w == 1 and not lora and backend in ("native", "auto"):
-        rollout, note = 0, "reads the actor's weights"
-    elif w == 1 and lora:
-        rollout, note = shape.linear_params * b, "merged adapted linears; the rest shared"
-    else:
-        rollout, note = p * rb, "a whole copy on every worker"
-    lines.append(MemoryLine("rollout weights", rollout, note))
+        critic = _config_at(cfg.critic.path, "") if cfg.critic.path else config
+        lines += _critic_lines(critic, layout)
+    lines = _offloaded(lines, layout, ref_layout)
+    lines.append(_rollout_line(config, rollout_layout, actor))
+    lines += _transient_lines(cfg, shape, layout, rollout_layout, held)
+    if layout.side == "all":
+        return lines
+    # async: each line is held by one side's ranks
+    sides = {"reference weights": ref_layout.side, "rollout weights": rollout_layout.side,
+             "KV cache": rollout_layout.side}
+    return [replace(x, note=f"{x.note}{'; ' if x.note else ''}{sides.get(x.name, layout.side)} "
+                            "ranks") for x in lines]
 
+
+def _rollout_side(cfg: Config, layout: EngineLayout) -> EngineLayout:
+    """The layout of the ranks that generate: `layout`'s own, or (async) the other side's."""
+    if layout.side != "trainer":
+        return layout
+    others = tuple(r for r in range(layout.world_size) if r not in layout.side_ranks)
+    return EngineLayout.of(cfg, layout.world_size, side_ranks=others, side="rollout",
+                           device_type=layout.device_type)
+
+
+def _shard_note(layout: EngineLayout) -> str:
+    if layout.mesh:
+        dp, sp, tp = layout.mesh
+        return f" over {dp} dp x {sp} sp x {tp} tp"
+    s = layout.model_shard_size
+    return f" / {s} workers (FSDP2{' group' if layout.hsdp else ''})" if s > 1 else ""
+
+
+def _actor_lines(held: HeldBytes, layout: EngineLayout) -> list[MemoryLine]:
+    lora = " (LoRA)" if layout.lora_rank else ""
+    return [MemoryLine("actor weights", held.bytes,
+                       f"{held.params / 1e6:.1f}M params" + _shard_note(layout)),
+            MemoryLine("gradients", held.trained_bytes, f"{held.trained / 1e6:.2f}M trained"
+                       + lora, "update"),
+            MemoryLine("AdamW state", 2 * held.trained_bytes, "exp_avg + exp_avg_sq")]
+
+
+def _reference_line(config, layout: EngineLayout, has_ref: bool) -> MemoryLine:
+    if layout.ref_is_actor:
+        return MemoryLine("reference weights", 0, "adapters off: no copy")
+    if not has_ref:
+        return MemoryLine("reference weights", 0, "no ref")
+    ref = reference_model(meta_model(config, layout.param_dtype), layout)
+    mixed = layout.mixed_precision != "none"
+    return MemoryLine("reference weights",
+                      held_bytes(ref, layout.model_shard_size, layout.tp).bytes,
+                      f"linears in {layout.mixed_precision}" if mixed else "")
+
+
+def _critic_lines(config, layout: EngineLayout) -> list[MemoryLine]:
+    held = held_bytes(meta_model(config, layout.param_dtype, "value"), layout.model_shard_size,
+                      layout.tp)
+    return [MemoryLine("critic weights", held.bytes,
+                       f"{held.params / 1e6:.1f}M params (value model)"),
+            MemoryLine("critic gradients", held.trained_bytes, "", "update"),
+            MemoryLine("critic AdamW state", 2 * held.trained_bytes, "")]
+
+
+OFFLOADED_LINES = {"actor": ("actor weights", "gradients", "AdamW state"),
+                   "ref": ("reference weights",),
+                   "critic": ("critic weights", "critic gradients", "critic AdamW state")}
+
+
+def _offloaded(lines: list[MemoryLine], layout: EngineLayout,
+               ref_layout: EngineLayout) -> list[MemoryLine]:
+    """FSDP2 CPU offload on an accelerator: those shards are in host memory, not on the device
+    (one unit at a time is gathered there, like any FSDP2 unit: not counted)."""
+    names = {name for model, names in OFFLOADED_LINES.items()
+             if model in (ref_layout if model == "ref" else layout).offload for name in names}
+    if layout.device_type == HOST or not names:
+        return lines
+    return [replace(x, bytes=0, note=f"{x.bytes / GiB:.2f} GiB in host memory "
+                                     f"({_offload_key(x.name)}.offload)")
+            if x.name in names and x.bytes else x for x in lines]
+
+
+def _offload_key(line: str) -> str:
+    return next(model for model, names in OFFLOADED_LINES.items() if line in names)
+
+
+def _rollout_line(config, layout: EngineLayout, actor: torch.nn.Module) -> MemoryLine:
+    """The rollout engine's own weights, as layout.rollout_copy says they are built."""
+    kind = layout.rollout_copy
+    if kind == "external":
+        return MemoryLine("rollout weights", 0, "held by the engine (not counted)")
+    if kind == "shared":
+        return MemoryLine("rollout weights", 0, "reads the actor's weights")
+    if kind == "merged":   # lora.plain_copy: storage for W + s B A of each adapted linear only
+        merged = sum(p.numel() * p.element_size() for name, p in actor.named_parameters()
+                     if name.endswith(".base_layer.weight"))
+        return MemoryLine("rollout weights", merged, "merged adapted linears; the rest shared")
+    whole = held_bytes(meta_model(config, layout.rollout_dtype), 1).bytes
+    if kind == "cast":
+        return MemoryLine("rollout weights", whole, f"a {layout.rollout_dtype} cast of the actor")
+    return MemoryLine("rollout weights", whole, "a whole copy on every worker")
+
+
+def _transient_lines(cfg: Config, shape: ModelShape, layout: EngineLayout,
+                     rollout_layout: EngineLayout, held: HeldBytes) -> list[MemoryLine]:
+    """The rollout's KV cache and the update's activations, autocast casts and logits."""
     d, r = cfg.data, cfg.rollout
+    rb = DTYPES[rollout_layout.rollout_dtype].itemsize      # the rollout copy's bytes per value
     kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * rb
-    train_rows = d.train_batch_size // w * r.n
+    train_rows = d.train_batch_size // rollout_layout.side_size * r.n
     val_rows = d.val_batch_size * r.val_n
     rows = max(train_rows, val_rows) if cfg.trainer.val_every or cfg.trainer.val_before_train \
         else train_rows
     seq = d.max_prompt_length + r.max_new_tokens
-    kv = kv_per_token * rows * seq if backend not in ("vllm", "server") else 0
-    lines.append(MemoryLine("KV cache", kv, f"{rows} rows x {seq} tokens", "rollout"))
+    kv = 0 if rollout_owns_memory(cfg) else kv_per_token * rows * seq
+    lines = [MemoryLine("KV cache", kv, f"{rows} rows x {seq} tokens", "rollout")]
+    lines.append(_activation_line(cfg, shape, layout, seq))
+    if layout.mixed_precision != "none":
+        # autocast keeps its bfloat16 casts of the trained weights for the forward (frozen
+        # ones are cast at each use and freed: not kept)
+        lines.append(MemoryLine("autocast weight casts", held.trained * 2, "bfloat16 copies of "
+                                "the linears' weights during a forward", "update"))
+    a = cfg.actor
+    head_rows = a.logits_chunk_tokens or a.micro_batch_size * r.max_new_tokens // layout.sp
+    vocab = shape.vocab // layout.tp
+    lines.append(MemoryLine("logits", 3 * head_rows * vocab * 4,
+                            f"{head_rows} x {vocab} fp32, x3 in backward", "update"))
+    return lines
 
-    micro = a.micro_batch_size
+
+def _activation_line(cfg: Config, shape: ModelShape, layout: EngineLayout,
+                     seq: int) -> MemoryLine:
+    a, tp, sp = cfg.actor, layout.tp, layout.sp
     if a.max_tokens_per_micro_batch:
         tokens = a.max_tokens_per_micro_batch
-        micro_note = f"{tokens} tokens a micro-batch"
+        note = f"{tokens} tokens a micro-batch"
     else:
-        tokens = micro * seq
-        micro_note = f"{micro} x {seq} tokens a micro-batch"
+        tokens = a.micro_batch_size * seq
+        note = f"{a.micro_batch_size} x {seq} tokens a micro-batch"
+    b = DTYPES[layout.param_dtype].itemsize
     h, kvd = shape.hidden, shape.kv_heads * shape.head_dim
     # Under autocast the matmuls' outputs (most saved intermediates) are bfloat16; the
     # residual stream, hence each checkpointed layer input, stays float32.
-    ab = 2 if mixed else b
+    ab = 2 if layout.mixed_precision != "none" else b
     # Per token and layer: 4 hidden-size tensors stay whole under tp (layer input, the two
     # norms' outputs, o_proj's output); q, the attention output, k, v and the MLP's 4 split.
     kv_split = kvd / tp if shape.kv_heads % tp == 0 else shape.head_dim
@@ -304,22 +395,12 @@ def estimate_memory(cfg: Config, shape: ModelShape, *, has_ref: bool = True,
     local = tokens / sp                                   # Ulysses: this rank's tokens
     if a.activation_checkpointing:
         act = local * h * b * shape.layers + local * per_layer_token
-        act_note = micro_note + ", checkpointed"
+        note += ", checkpointed"
     else:
         act = local * per_layer_token * shape.layers
-        act_note = micro_note
     if sp > 1:
-        act_note += f", 1/{sp} of each sequence per rank"
-    lines.append(MemoryLine("activations", int(act), act_note, "update"))
-    if mixed:   # autocast keeps its bfloat16 casts of the trained weights for the forward
-        cast = trained * 2   # (frozen ones are cast at each use and freed: not kept)
-        lines.append(MemoryLine("autocast weight casts", cast, "bfloat16 copies of the linears'"
-                                " weights during a forward", "update"))
-    head_rows = a.logits_chunk_tokens or micro * r.max_new_tokens // sp
-    vocab = shape.vocab // tp
-    lines.append(MemoryLine("logits", 3 * head_rows * vocab * 4,
-                            f"{head_rows} x {vocab} fp32, x3 in backward", "update"))
-    return lines
+        note += f", 1/{sp} of each sequence per rank"
+    return MemoryLine("activations", int(act), note, "update")
 
 
 def estimated_peak(lines: list[MemoryLine], runtime_bytes: int = 0) -> int:

@@ -70,6 +70,42 @@ def check_tensor_parallel(config, tp: int, key: str = "actor.tensor_parallel_siz
         raise ValueError(f"{key}={tp} must divide the model's vocab_size ({vocab})")
 
 
+# A linear's split: colwise shards the output rows (weight and bias dim 0), rowwise the input
+# columns (weight dim 1; a bias stays whole).
+STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+
+
+def layer_plan(kv_heads: int, tp: int) -> dict[str, str]:
+    """{linear's path in a decoder layer: "colwise" | "rowwise"}: the linears tensor parallelism
+    splits; k/v_proj only when the KV heads split evenly (else they stay whole, see above)."""
+    plan = {"self_attn.q_proj": "colwise", "self_attn.o_proj": "rowwise",
+            "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
+    if kv_heads % tp == 0:
+        plan["self_attn.k_proj"] = plan["self_attn.v_proj"] = "colwise"
+    return plan
+
+
+def split_dims(model: torch.nn.Module, tp: int) -> dict[int, int]:
+    """{id(parameter): the dim tensor parallelism over `tp` ranks splits it on} for the
+    parameters `tensor_parallelize` splits (`layer_plan`, the embedding and LM head over the
+    vocabulary); the others stay whole on every tp rank. Reads the module tree only, so it
+    works on a meta-device model (`dagrl plan --memory`)."""
+    if tp == 1:
+        return {}
+    dims: dict[int, int] = {}
+    for layer in decoder_layers(model):
+        for path, style in layer_plan(head_counts(model.config)[1], tp).items():
+            linear = layer.get_submodule(path)
+            dims[id(linear.weight)] = 0 if style == "colwise" else 1
+            if linear.bias is not None and style == "colwise":
+                dims[id(linear.bias)] = 0
+    dims[id(model.get_input_embeddings().weight)] = 0
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None:
+        dims.update({id(p): 0 for p in head.parameters()})
+    return dims
+
+
 def sum_grad_over(t: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
     """Identity in forward; in backward the gradient is summed over `mesh` (Megatron's "f"):
     a tensor used whole on every rank, each rank's gradient being a partial sum."""
@@ -117,13 +153,8 @@ def tensor_parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Mod
             raise ValueError(f"tensor parallelism supports Llama/Qwen2-layout decoder layers "
                              f"(self_attn.{{q,k,v,o}}_proj, mlp.{{gate,up,down}}_proj); "
                              f"{type(layer).__name__} differs")
-        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
-                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
-                "mlp.down_proj": RowwiseParallel()}
-        if kv % tp == 0:
-            plan["self_attn.k_proj"] = ColwiseParallel()
-            plan["self_attn.v_proj"] = ColwiseParallel()
-        parallelize_module(layer, mesh, plan)
+        parallelize_module(layer, mesh, {path: STYLES[style]()
+                                         for path, style in layer_plan(kv, tp).items()})
         if kv % tp:
             head_dim = attn.head_dim
             head = rank // (tp // kv)            # the KV head this rank's query heads read

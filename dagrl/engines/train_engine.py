@@ -11,9 +11,10 @@ multiplied by the number of ranks before backward.
 Under tensor / sequence parallelism (engines/mesh.py) the ranks of one replica hold the same
 samples and compute the same loss: the denominators are summed over the replicas alone
 (`dp_group`, one rank per replica), and the loss is multiplied by the ranks FSDP averages over
-(`grad_scale` = dp x sp): tensor-parallel ranks hold different slices of a parameter (or
-identical gradients of a replicated one), and each sequence-parallel rank's gradient covers
-its own tokens (engines/ulysses.py), so the sum over the FSDP group is the replica's gradient.
+(`grad_scale` = dp x sp; both read from the engine layout, engines/layout.py): tensor-parallel
+ranks hold different slices of a parameter (or identical gradients of a replicated one), and
+each sequence-parallel rank's gradient covers its own tokens (engines/ulysses.py), so the sum
+over the FSDP group is the replica's gradient.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dagrl.algorithms.loss_agg import agg_denominator
 from dagrl.config.schema import OptimConfig
 from dagrl.data.batch import Batch
 from dagrl.device import fused_optimizer_supported
+from dagrl.engines.layout import EngineLayout
 from dagrl.engines.micro_batches import micro_batches
 from dagrl.engines.precision import autocast
 from dagrl.observe.metrics import StepMetrics
@@ -51,29 +53,27 @@ class TrainEngine(ABC):
     name = "train"          # metric prefix
     loss_metric = "loss"    # what micro_loss reports (the policy or value loss, without extras)
 
-    def __init__(self, model: torch.nn.Module, optim: OptimConfig, *, loss_agg_mode: str,
-                 mini_batch_samples: int, micro_batch_size: int, epochs: int,
-                 max_tokens_per_micro_batch: int = 0, pack_sequences: bool = False,
-                 mixed_precision: str = "none",
-                 dp_group: dist.ProcessGroup | None = None, grad_scale: int = 0) -> None:
-        """`mini_batch_samples`: samples per optimizer step on this rank
-        (`Config.mini_batch_samples_per_rank`); `micro_batch_size`: samples per forward and
-        backward, or `max_tokens_per_micro_batch` > 0: micro-batches cut by a token budget
-        (engines/micro_batches.py); `pack_sequences`: forwards without padding
-        (engines/forward.py); `epochs`: passes over each batch; `mixed_precision`: the
-        forwards' autocast (engines/precision.py); `dp_group`: one rank per data-parallel
-        replica; `grad_scale`: the ranks FSDP averages gradients over (0: dp_group's size)."""
+    def __init__(self, model: torch.nn.Module, optim: OptimConfig, layout: EngineLayout, *,
+                 loss_agg_mode: str, micro_batch_size: int, epochs: int,
+                 max_tokens_per_micro_batch: int = 0) -> None:
+        """`layout` (engines/layout.py) gives what every trained model shares: the samples per
+        optimizer step on this rank (`mini_batch_samples`), forwards without padding
+        (`pack_sequences`, engines/forward.py), the forwards' autocast (`mixed_precision`,
+        engines/precision.py), one rank per data-parallel replica (`dp_group`) and the ranks
+        FSDP averages gradients over (`grad_scale`). Per engine: `micro_batch_size` samples per
+        forward and backward, or `max_tokens_per_micro_batch` > 0: micro-batches cut by a
+        token budget (engines/micro_batches.py); `epochs`: passes over each batch."""
         self.model = model
+        self.layout = layout
         self.grad_clip = optim.grad_clip
         self.loss_agg_mode = loss_agg_mode
         self.agg_modes: tuple[str, ...] = (loss_agg_mode,)
-        self.mini_batch_samples, self.micro_batch_size = mini_batch_samples, micro_batch_size
-        self.max_tokens, self.pack = max_tokens_per_micro_batch, pack_sequences
+        self.mini_batch_samples, self.micro_batch_size = layout.mini_batch_samples, micro_batch_size
+        self.max_tokens, self.pack = max_tokens_per_micro_batch, layout.pack_sequences
         self.epochs = epochs
-        self.mixed_precision = mixed_precision
-        self.dp_group = dp_group
-        self.dp_size = dist.get_world_size(dp_group) if dp_group is not None else 1
-        self.grad_scale = grad_scale or self.dp_size
+        self.dp_group = layout.dp_group
+        self.dp_size = dist.get_world_size(self.dp_group) if self.dp_group is not None else 1
+        self.grad_scale = layout.grad_scale
         # The fused kernel updates all parameters in one pass: 0.6 ms instead of 3.3 ms per
         # step for the e2e model on CPU.
         fused = fused_optimizer_supported(next(model.parameters()).device)
@@ -100,7 +100,7 @@ class TrainEngine(ABC):
     def autocast(self) -> AbstractContextManager:
         """The context every forward of this engine runs in (mixed precision or nothing);
         backward runs outside it, in the dtypes autocast recorded."""
-        return autocast(self.mixed_precision, self.device)
+        return autocast(self.layout.mixed_precision, self.device)
 
     @abstractmethod
     def micro_loss(self, micro: Batch, denoms: Mapping[str, float],

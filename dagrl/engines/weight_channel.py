@@ -48,11 +48,9 @@ def bucket_bounds(layout: Layout, element_size: int, limit: int = BUCKET_BYTES) 
 
 
 class WeightSender:
-    """The trainer ranks' end. It stands where a rollout engine would (`Engines.rollout`), so the
+    """The trainer ranks' end: the engines' weight sink (`Engines.weight_sink`), so the
     actor_update role's `sync_rollout_weights()` sends the weights after each update.
     `last_version`: the versions after it are not sent (no batch would use them)."""
-
-    shared = False
 
     def __init__(self, rollout_ranks: Sequence[int], *, is_source: bool, dtype: torch.dtype,
                  last_version: int, group: dist.ProcessGroup | None = None,
@@ -61,7 +59,6 @@ class WeightSender:
         self.dtype, self.group, self.bucket_bytes = dtype, group, bucket_bytes
         self.last_version = last_version
         self.weights_version = 0    # the policy version (training steps) last sent
-        self.stop_token_ids: list[int] = []
         self._pending = PendingSends()
 
     def send_first(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -116,9 +113,6 @@ class WeightSender:
 
     def flush(self) -> None:
         self._pending.flush()
-
-    def generate(self, *args, **kwargs):   # pragma: no cover - a trainer rank never generates
-        raise RuntimeError("trainer.mode=async: a trainer rank does not generate")
 
 
 class WeightReceiver:

@@ -18,7 +18,8 @@ def _count_groups(batch: Batch) -> int:
     return len(set(batch["uid"].tolist())) if len(batch) else 0
 
 
-@register_role("filter")
+@register_role("filter", async_refusal="DAPO's dynamic sampling regenerates on demand inside "
+                                        "the training step")
 def filter_groups(ctx: NodeContext, batch: Batch) -> Batch:
     """DAPO dynamic sampling: keep groups whose rewards vary (a group that is all right or all
     wrong has zero advantage and only dilutes the batch); generate again on fresh prompts until

@@ -65,7 +65,7 @@ def _rollout_correction(ctx: NodeContext, batch: Batch) -> None:
     batch["response_mask"] = kept
 
 
-@register_role("ref_logprob", engines=("ref",), runs_model=True,
+@register_role("ref_logprob", engines=("ref",), runs_model=True, side="follower",
                adds={"ref_logprobs": "R float32"})
 def ref_logprob(ctx: NodeContext, batch: Batch) -> Batch:
     # The update's autocast, so that pi_ref = pi to the bit while the weights are equal.

@@ -32,7 +32,7 @@ def index_within_group(uids) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.long)
 
 
-@register_role("rollout", engines=("rollout", "actor"),
+@register_role("rollout", engines=("rollout", "actor"), side="rollout", fans_out=True,
                adds={"responses": "R int64", "response_mask": "R float32",
                      "rollout_logprobs": "R float32", "sample_seed": "int64"})
 def rollout(ctx: NodeContext, batch: Batch) -> Batch:
@@ -61,6 +61,8 @@ def rollout(ctx: NodeContext, batch: Batch) -> Batch:
     batch["responses"] = out.responses
     batch["response_mask"] = out.response_mask
     batch["rollout_logprobs"] = out.logprobs
+    if out.token_versions is not None:   # the async rollout side: who drew each token
+        batch["token_versions"] = out.token_versions
     lengths = out.response_mask.sum(-1)
     ctx.metrics.add_distribution("response/length", lengths)
     stop = torch.tensor(engine.stop_token_ids, device=out.responses.device)
@@ -112,7 +114,7 @@ def _multi_turn(ctx: NodeContext, batch: Batch, params: SamplingParams) -> Batch
     return batch
 
 
-@register_role("greedy_baseline", engines=("rollout", "reward"),
+@register_role("greedy_baseline", engines=("rollout", "reward"), side="rollout",
                adds={"baseline_scores": "float32"})
 def greedy_baseline(ctx: NodeContext, batch: Batch) -> Batch:
     """ReMax: the reward of the greedy response to each prompt, the baseline of its samples.

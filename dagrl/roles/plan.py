@@ -23,6 +23,7 @@ from dagrl.dag.planner import PlanSizes, RankPlan, make_plan
 from dagrl.dag.spec import GraphError, GraphSpec, load_graph_yaml, validate_graph
 from dagrl.registry import Registry
 from dagrl.roles.registry import ROLES, Role, import_user_modules
+from dagrl.rollout.registry import rollout_backend
 
 
 def load_builtin_roles() -> Registry[Role]:
@@ -33,17 +34,18 @@ def load_builtin_roles() -> Registry[Role]:
 def build_graph(cfg: Config) -> GraphSpec:
     """The configured graph: `dag.graph` (a built-in name or a YAML file), else the built-in
     graph of `algorithm.name`."""
+    # The backend's own config checks run here too, so planning refuses what it cannot serve.
+    rollout = rollout_backend(cfg)
     name = cfg.dag.graph or cfg.algorithm.name
     if name.endswith((".yaml", ".yml")) or os.sep in name:
         return load_graph_yaml(name)
-    return BUILTIN_GRAPHS.get(name)(cfg)
+    return BUILTIN_GRAPHS.get(name)(cfg, rollout)
 
 
-# trainer.mode=async: the roles that run on the rollout ranks, and those that follow them there
-# when their inputs are made there (dag/async_placement.py): the reference is frozen, so its
-# log-probs need no weights from the trainer.
-ROLLOUT_SIDE_ROLES = frozenset({"rollout", "greedy_baseline", "reward"})
-FOLLOWER_ROLES = frozenset({"ref_logprob"})
+def roles_on_side(side: str) -> frozenset[str]:
+    """The registered roles that declare `side` (Role.side): where trainer.mode=async runs them
+    (dag/async_placement.py)."""
+    return frozenset(name for name in ROLES if ROLES.get(name).side == side)
 
 
 def plan_for(cfg: Config, world_size: int) -> tuple[GraphSpec, list[str], list[RankPlan]]:
@@ -65,8 +67,10 @@ def plan_with_sides(cfg: Config, world_size: int
         check_sharded_nodes_on_every_rank(graph, world_size)
     sides = None
     if cfg.is_async:
-        graph, order, sides = place_async(graph, order, world_size, ROLLOUT_SIDE_ROLES,
-                                          FOLLOWER_ROLES)
+        refusals = {name: ROLES.get(name).async_refusal for name in ROLES
+                    if ROLES.get(name).async_refusal}
+        graph, order, sides = place_async(graph, order, world_size, roles_on_side("rollout"),
+                                          roles_on_side("follower"), refusals)
     trains = frozenset(name for name in ROLES if ROLES.get(name).trains)
     models = frozenset(name for name in ROLES if ROLES.get(name).runs_model)
     group = cfg.actor.model_parallel_size if world_size > 1 else 1
@@ -101,7 +105,7 @@ def plan_sizes(cfg: Config, graph: GraphSpec, order: list[str]) -> PlanSizes:
         sizes[node_id] = sum(field_bytes(spec, cfg) for spec in fields.values())
         role = graph.node(node_id).role
         fields.update(ROLES.get(role).adds)
-        if role == "rollout":      # rollout.n samples per prompt from here on
+        if ROLES.get(role).fans_out:   # rollout.n samples per prompt from here on
             samples *= cfg.rollout.n
     return PlanSizes(counts, sizes)
 

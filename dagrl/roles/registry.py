@@ -51,25 +51,39 @@ class Role:
     # Per-sample tensor fields the role adds, name -> "[P|R] dtype" (P: prompt width, R:
     # response width, nothing: one value): what `dagrl plan` counts in the bytes of a move.
     adds: Mapping[str, str] = field(default_factory=dict)
+    # Where it runs in trainer.mode=async (dag/async_placement.py): "rollout" (it generates or
+    # scores: where samples are made), "follower" (it reads no trained weights, so it joins
+    # the rollout side when its inputs are all made there), or "trainer".
+    side: str = "trainer"
+    # Each input row becomes rollout.n samples (the rollout node): the planner's sizes.
+    fans_out: bool = False
+    # Why it cannot run in trainer.mode=async ("": it can), said by the placement's error.
+    async_refusal: str = ""
 
+
+SIDES = ("rollout", "follower", "trainer")
 
 ROLES: Registry[Role] = Registry("DAG role")
 
 
 def register_role(name: str, *, engines: Sequence[str] = (), trains: bool = False,
-                  runs_model: bool | None = None,
-                  adds: Mapping[str, str] | None = None) -> Callable:
+                  runs_model: bool | None = None, adds: Mapping[str, str] | None = None,
+                  side: str = "trainer", fans_out: bool = False,
+                  async_refusal: str = "") -> Callable:
     """Decorator registering `fn(ctx, batch) -> batch` as the role `name`. `runs_model`
     (default: `trains`): the node runs the actor / reference / critic model, so under
     tensor or sequence parallelism every rank of a replica must hold its samples. `adds`: the
-    per-sample tensor fields it adds (see `Role.adds`)."""
+    per-sample tensor fields it adds; `side`, `fans_out`, `async_refusal`: see `Role`."""
     bad = [e for e in engines if e not in ENGINES]
     if bad:
         raise ValueError(f"role {name!r} asks for unknown engine(s) {bad}; known: {ENGINES}")
+    if side not in SIDES:
+        raise ValueError(f"role {name!r}: side {side!r} is not one of {SIDES}")
 
     def decorator(fn: Callable) -> Callable:
         ROLES.add(name, Role(name, fn, tuple(engines), trains,
-                             trains if runs_model is None else runs_model, dict(adds or {})))
+                             trains if runs_model is None else runs_model, dict(adds or {}),
+                             side, fans_out, async_refusal))
         return fn
 
     return decorator

@@ -37,7 +37,7 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     return ((mask > 0) * columns).amax(-1).sub(1).clamp(min=0)
 
 
-@register_role("reward", engines=("reward",),
+@register_role("reward", engines=("reward",), side="rollout",
                adds={"scores": "float32", "token_level_scores": "R float32"})
 def reward(ctx: NodeContext, batch: Batch) -> Batch:
     if "turn_scores" in batch:   # an environment's episodes: its rewards are their score

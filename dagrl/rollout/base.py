@@ -3,7 +3,9 @@
 A backend holds an inference copy of the policy, samples responses for left-padded prompts,
 and takes new weights after each update. The rollout node, validation and ReMax's greedy
 baseline only ever talk to this interface, so a backend (native, hf; vLLM and server mode in
-their own modules) can be swapped with `rollout.backend` and nothing else changes.
+their own modules) can be swapped with `rollout.backend` and nothing else changes. Each backend
+is also a `RolloutBackend` class, registered by name (registry.py), that declares what it can
+do; the rest of dagrl reads those declarations, never the name.
 
 Conventions every backend keeps (tests check them on each):
 - prompts [B, P] are left-padded, so each row's last prompt token sits in column P-1;
@@ -18,13 +20,17 @@ Conventions every backend keeps (tests check them on each):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import torch
 
+from dagrl.config.loader import ConfigError
 from dagrl.rollout.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from dagrl.config.schema import Config
 
 
 @dataclass
@@ -32,6 +38,9 @@ class GenerationOutput:
     responses: torch.Tensor       # [B, R] int64, pad after the stop token
     response_mask: torch.Tensor   # [B, R] float32, 1 up to and including the stop token
     logprobs: torch.Tensor        # [B, R] float32, 0 where masked
+    # [B, R] int64: the policy version that drew each token (-1 where masked), from engines
+    # whose weights change while a run generates (the async rollout side, rollout/versioned.py)
+    token_versions: torch.Tensor | None = None
 
 
 class RolloutEngine(Protocol):
@@ -49,6 +58,82 @@ class RolloutEngine(Protocol):
                      version: int) -> None:
         """Take every parameter of the policy, by name (streamed: each tensor is only
         valid until the next is drawn)."""
+
+
+@dataclass(frozen=True)
+class RolloutBuild:
+    """What the worker hands a backend's `from_config` besides the config."""
+    device: torch.device
+    eos_token_id: int
+    pad_token_id: int
+    # Stops beside EOS: rollout.stop_token_ids, then a multi-turn tool-call format's.
+    stop_token_ids: tuple[int, ...] = ()
+    # A fresh inference copy of the policy, for backends that generate in this process.
+    load_model: Callable[[], torch.nn.Module] | None = None
+    # The whole (unsharded) trained model, with one worker: a backend that declares
+    # `shares_actor_weights` may generate with it instead of loading a copy.
+    actor_model: torch.nn.Module | None = None
+
+
+class RolloutBackend:
+    """A rollout backend as `rollout.backend` names it: one class, registered in
+    `dagrl.rollout.registry.ROLLOUT_BACKENDS`, that declares what it can do and builds its engine
+    (usually the class is the engine itself). The rest of dagrl reads these declarations, never
+    the backend's name. Each says a physical property of the engine, so a new backend answers
+    them from what it is; the defaults are those of an engine in the worker's own process.
+    """
+
+    # Its log-probs are computed with the trainer's own numerics (same kernels, same dtype),
+    # so when the policy has not moved they are pi_old and the graph may skip the old_logprob
+    # pass (dag/builtin.py). False: the trainer recomputes pi_old.
+    trainer_numerics: ClassVar[bool] = True
+    # It holds its weights and KV cache in a memory pool of its own (another allocator, another
+    # process or machine), which `dagrl plan --memory` does not count.
+    owns_memory: ClassVar[bool] = False
+    # It can generate with the actor's own unsharded weights (one worker), so no rollout copy
+    # of the policy exists.
+    shares_actor_weights: ClassVar[bool] = False
+    # Its engine joins torch.distributed when it starts: building it is collective, so every
+    # rank must build one at the same point (the rollout node on every rank).
+    joins_process_group: ClassVar[bool] = False
+    # It takes each new policy's weights (`update_weights`); False: its weights stay frozen.
+    takes_weight_updates: ClassVar[bool] = True
+    # The multi-turn agent loop (multi_turn.py) can drive it: it only needs `generate` over
+    # left-padded contexts and the engine's `stop_token_ids`.
+    multi_turn: ClassVar[bool] = True
+    # It shards one model over several devices itself (rollout tensor parallelism).
+    tensor_parallel: ClassVar[bool] = False
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        """Refuse, with the physical reason, a config this backend cannot serve; raises
+        `ConfigError` naming the key. Runs when the config is loaded and when the graph is
+        planned, before any model loads. Subclasses add their own refusals and call super()."""
+        name = cfg.rollout.backend
+        if cfg.is_async and not (cls.takes_weight_updates and not cls.joins_process_group):
+            # Async rollout ranks receive every new policy version and build their engine
+            # apart from the trainer ranks.
+            why = ("its engine joins the process group on every rank when it starts, and only "
+                   "the rollout ranks build one" if cls.joins_process_group
+                   else "it cannot take the new weights the trainer ranks send")
+            raise ConfigError(f"trainer.mode=async with rollout.backend={name}: {why}; use an "
+                              "in-process backend (auto, native, hf) or trainer.mode=sync")
+        if cfg.rollout.multi_turn.enable and not cls.multi_turn:
+            raise ConfigError(f"rollout.multi_turn.enable with rollout.backend={name}: this "
+                              "backend cannot run the multi-turn agent loop")
+
+    @classmethod
+    def from_config(cls, cfg: Config, build: RolloutBuild) -> RolloutEngine:
+        """The engine for `cfg`."""
+        raise NotImplementedError(f"{cls.__name__}.from_config")
+
+    @classmethod
+    def over_model(cls, model: torch.nn.Module, *, eos_token_id: int, pad_token_id: int,
+                   stop_token_ids: Sequence[int] = ()) -> RolloutEngine:
+        """An engine generating with the in-process `model` (the judge's): only backends that
+        generate with an HF model in this process can."""
+        raise ValueError(f"{cls.__name__} generates with weights of its own, not with a model "
+                         "handed to it; use auto, native or hf")
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -83,7 +168,7 @@ def padded_output(tokens: Sequence[Sequence[int]], logprobs: Sequence[Sequence[f
     return GenerationOutput(responses.to(device), mask.to(device), out_logprobs.to(device))
 
 
-class ModelCopy:
+class ModelCopy(RolloutBackend):
     """A backend that generates with an in-process HF model (native and hf): holds the model
     and copies new weights into its parameters in place, so no second copy is ever made."""
 
@@ -96,6 +181,19 @@ class ModelCopy:
         self.pad_token_id = pad_token_id
         self.stop_token_ids = stop_tokens(eos_token_id, stop_token_ids)
         self.weights_version = 0
+
+    @classmethod
+    def from_config(cls, cfg: Config, build: RolloutBuild) -> RolloutEngine:
+        """Over a fresh copy of the policy (`build.load_model`)."""
+        return cls.over_model(build.load_model(), eos_token_id=build.eos_token_id,
+                              pad_token_id=build.pad_token_id,
+                              stop_token_ids=build.stop_token_ids)
+
+    @classmethod
+    def over_model(cls, model: torch.nn.Module, *, eos_token_id: int, pad_token_id: int,
+                   stop_token_ids: Sequence[int] = ()) -> RolloutEngine:
+        return cls(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
+                   stop_token_ids=stop_token_ids)
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],

@@ -10,15 +10,20 @@ then one token per step for the whole batch; a row that has stopped keeps decodi
 from __future__ import annotations
 
 import torch
-from transformers import DynamicCache
 
 from dagrl.algorithms.utils import logprobs_from_logits
 from dagrl.rollout.base import GenerationOutput, ModelCopy, position_ids_from_mask
+from dagrl.rollout.registry import ROLLOUT_BACKENDS
 from dagrl.rollout.sampling import SamplingParams, logprob_temperature, sample_next_token
 
 
+@ROLLOUT_BACKENDS.register("hf")
 class HFRollout(ModelCopy):
     """Generation through `model(...)` with a `DynamicCache` (see the module docstring)."""
+
+    # It calls the module's own forward, which on the trained actor would run in the actor's
+    # train mode (dropout, activation checkpointing): it generates with an eval-mode copy.
+    shares_actor_weights = False
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
@@ -30,6 +35,8 @@ class HFRollout(ModelCopy):
         batch, _ = prompt_ids.shape
         attention = prompt_mask.long()
         positions = position_ids_from_mask(attention)
+        from transformers import DynamicCache  # lazily: config checks import this module
+
         cache = DynamicCache()
         out = self.model(input_ids=prompt_ids, attention_mask=attention, position_ids=positions,
                          past_key_values=cache, use_cache=True)

@@ -12,14 +12,21 @@ from collections.abc import Sequence
 
 import torch
 
-from dagrl.rollout.base import GenerationOutput, ModelCopy
+from dagrl.config.schema import Config
+from dagrl.rollout.base import GenerationOutput, ModelCopy, RolloutBuild, RolloutEngine
 from dagrl.rollout.native_decoder import FastDecoder, fast_path_unsupported
+from dagrl.rollout.registry import ROLLOUT_BACKENDS
 from dagrl.rollout.sampling import SamplingParams
 
 unsupported_reason = fast_path_unsupported
 
 
+@ROLLOUT_BACKENDS.register("native")
 class NativeRollout(ModelCopy):
+    # The decoder reads the model's weight tensors directly (no module forward, so neither
+    # train mode nor the actor's hooks reach it): with one worker it can read the actor's own.
+    shares_actor_weights = True
+
     def __init__(self, model: torch.nn.Module, *, eos_token_id: int, pad_token_id: int,
                  stop_token_ids: Sequence[int] = (), shared: bool = False) -> None:
         reason = fast_path_unsupported(model)
@@ -32,6 +39,16 @@ class NativeRollout(ModelCopy):
         # `update_weights` copies (or, shared with the actor, its optimizer's in-place steps)
         # reach it with nothing to resynchronise.
         self.decoder = FastDecoder(self.model)
+
+    @classmethod
+    def from_config(cls, cfg: Config, build: RolloutBuild) -> RolloutEngine:
+        """Over the actor itself when it is handed over and is a plain supported model (not
+        LoRA-wrapped, which needs merged weights); else over a fresh copy."""
+        actor = build.actor_model
+        if actor is not None and unsupported_reason(actor) is None:
+            return cls(actor, eos_token_id=build.eos_token_id, pad_token_id=build.pad_token_id,
+                       stop_token_ids=build.stop_token_ids, shared=True)
+        return super().from_config(cfg, build)
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  sample_seed: torch.Tensor, params: SamplingParams, *, max_new_tokens: int,

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from transformers import PreTrainedModel
 
 from dagrl.device import is_host
 from dagrl.rollout.sampling import (
@@ -36,6 +36,9 @@ from dagrl.rollout.sampling import (
     sample_next_token,
     uniform_draws,
 )
+
+if TYPE_CHECKING:   # transformers loads in seconds: not when only a config is checked
+    from transformers import PreTrainedModel
 
 # Steps with fewer token rows than this run feature-major (see `_project`).
 WEIGHT_MAJOR_MAX_ROWS = 512

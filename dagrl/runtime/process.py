@@ -16,7 +16,6 @@ from pathlib import Path
 
 from dagrl.config.loader import from_dict, to_dict
 from dagrl.config.schema import Config
-from dagrl.runtime.async_worker import AsyncWorker
 from dagrl.runtime.distributed import DistContext, init_distributed, shutdown
 from dagrl.runtime.failures import (
     Failure,
@@ -85,8 +84,7 @@ def run_worker(cfg: Config, ctx: DistContext, state: WorkerState,
         state.run_dir = Path(resolved.trainer.run_dir)
         worker_lock = hold_worker_lock(state.run_dir)
         write_pid_file(state.run_dir, ctx.rank)
-        worker_class = AsyncWorker if resolved.is_async else Worker   # trainer.mode
-        history = worker_class(resolved, ctx).train()
+        history = Worker(resolved, ctx).train()   # sync or async: one loop (runtime/sides.py)
         # Every rank finishes its last collective before any rank tears its connections down:
         # a rank destroying its group while a peer still talks to it can abort the peer (seen
         # once under torchrun as `terminate called without an active exception` at exit).

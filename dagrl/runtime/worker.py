@@ -1,17 +1,25 @@
 """The DAG worker: one per device, every one running the same loop over its own task list.
 
     for step in steps:
-        batch = this rank's slice of the step's prompts (read from parquet by this rank)
-        for task in this rank's plan:
+        batch = source.next_batch(step)    this rank's prompts (read from parquet by this rank),
+                                           or, on an async trainer rank, the groups generated
+                                           for the step by the rollout ranks
+        for task in this rank's tasks:
             node task    -> batch = role(ctx, batch)  (timed, memory, profiled: observe/observer.py)
             reshard      -> samples move to the next node's ranks (all_to_all, no coordinator)
             balance      -> whole groups move so ranks hold similar token counts
-        metrics = reduce(this rank's statistics) over all ranks
-        rank 0 logs them
-        every trainer.val_every steps: validate (each rank on its share of the test split)
-        every trainer.save_every steps: checkpoint (each rank writes its shards; atomic commit)
+        sink.finish(step, batch)           metrics reduced over the side's ranks, or (async
+                                           rollout rank) the groups pushed to the trainer ranks
+        the lead logs them; every trainer.val_every steps: validate; every trainer.save_every
+        steps: checkpoint (each rank writes its shards; atomic commit)
 
-A worker first resumes from a checkpoint when `trainer.resume` finds one (runtime/checkpoint.py).
+Sync and async runs are two placements of the same plan (runtime/sides.py): in sync mode every
+rank runs every task; in trainer.mode=async the rollout ranks run the rollout side and the
+trainer ranks the rest, with a different batch source and sink (runtime/streams.py) and the
+actor's weights sent to the rollout ranks instead of this worker's rollout engine
+(engines/weight_channel.py). The loop, the node context, save/resume and the metrics reduction
+are the same code. A worker first resumes from a checkpoint when `trainer.resume` finds one
+(runtime/checkpoint.py).
 
 The launcher (in-process, Ray or torchrun) only starts workers and waits for them; rank 0
 prepares the run directory and tells the others the resolved config.
@@ -35,6 +43,7 @@ from dagrl.data.replicas import from_replicas, to_replicas
 from dagrl.device import is_host
 from dagrl.engines.bundle import build_engines
 from dagrl.engines.host_memory import release_freed_memory
+from dagrl.engines.layout import EngineLayout
 from dagrl.engines.memory_estimate import (
     ModelShape,
     estimate_memory,
@@ -42,28 +51,40 @@ from dagrl.engines.memory_estimate import (
     other_model_lines,
     other_model_shapes,
 )
-from dagrl.engines.models import load_tokenizer
+from dagrl.engines.models import DTYPES, load_tokenizer
+from dagrl.engines.weight_channel import WeightSender
 from dagrl.observe.loggers import GENERATIONS_FILE, RunLogger, append_generations, truncate_jsonl
 from dagrl.observe.memory import GB, host_rss_bytes
 from dagrl.observe.metrics import StepMetrics
 from dagrl.observe.observer import StepObserver
 from dagrl.roles.multi_model import PrefixedMetrics, merge_view, model_view, prefix_of
-from dagrl.roles.plan import engines_of, plan_for
+from dagrl.roles.plan import engines_of, plan_with_sides
 from dagrl.roles.registry import ROLES, NodeContext
+from dagrl.rollout import rollout_backend
+from dagrl.rollout.versioned import VersionedRollout
 from dagrl.runtime.checkpoint import Checkpointer, CheckpointError, Stateful, resolve_resume
 from dagrl.runtime.distributed import DistContext, create_layout_groups
 from dagrl.runtime.failures import append_run_log
 from dagrl.runtime.preflight import check_cpu_threads, check_mixed_precision, check_prompts
+from dagrl.runtime.sides import Placement, place
+from dagrl.runtime.streams import (
+    FreshWeightsPromptSource,
+    GroupSink,
+    GroupSource,
+    MetricsSink,
+    PromptSource,
+)
 from dagrl.runtime.validation import Validator
 
 
-def _check_rollout_on_every_rank(plans: list[RankPlan]) -> None:
-    """vLLM's engines join the process group when they start (rollout/vllm.py): a rank without
-    the rollout node would leave the others waiting."""
+def _check_rollout_on_every_rank(plans: list[RankPlan], backend: str) -> None:
+    """A backend whose engines join the process group when they start (vLLM's) needs every
+    rank to build one: a rank without the rollout node would leave the others waiting."""
     missing = [p.rank for p in plans if "rollout" not in engines_of(p)]
     if missing:
-        raise ValueError(f"rollout.backend=vllm with several workers needs the rollout node on "
-                         f"every rank; ranks {missing} have none (drop the node's options.ranks)")
+        raise ValueError(f"rollout.backend={backend} with several workers needs the rollout node "
+                         f"on every rank (its engines join the process group when they start); "
+                         f"ranks {missing} have none (drop the node's options.ranks)")
 
 
 def _fingerprint(batch: Batch) -> tuple:
@@ -72,115 +93,173 @@ def _fingerprint(batch: Batch) -> tuple:
 
 
 class Worker:
-    """One rank's worker. `cfg` must be resolved (see launch.prepare_run); `dist_ctx` says which
-    rank this is (default: a single worker)."""
+    """One rank's worker, sync or async alike. `cfg` must be resolved (see launch.prepare_run);
+    `dist_ctx` says which rank this is (default: a single worker on the host)."""
 
     def __init__(self, cfg: Config, dist_ctx: DistContext | None = None) -> None:
         self.dist = dist_ctx or DistContext()
         runtime_rss = host_rss_bytes()   # Python, torch, transformers: before any model
         self.cfg, self.run_dir = cfg, Path(cfg.trainer.run_dir)
         self.rank, self.world_size = self.dist.rank, self.dist.world_size
-        if cfg.trainer.torch_threads:
-            torch.set_num_threads(cfg.trainer.torch_threads)
-        torch.manual_seed(cfg.trainer.seed)
-        self.device = self.dist.device
-        self.trim_host_memory = cfg.trainer.trim_host_memory and is_host(self.device)
-        self.graph, self.order, plans = plan_for(cfg, self.world_size)
-        create_layout_groups(self.dist, plans)
-        self.plan = plans[self.rank]
-        needed = engines_of(self.plan)
         t = cfg.trainer
+        if t.torch_threads:
+            torch.set_num_threads(t.torch_threads)
+        torch.manual_seed(t.seed)
+        self.device = self.dist.device
+        self.trim_host_memory = t.trim_host_memory and is_host(self.device)
+        self.graph, self.order, plans, sides = plan_with_sides(cfg, self.world_size)
+        create_layout_groups(self.dist, plans)
+        # Which ranks this one steps with, and its tasks (runtime/sides.py): collective.
+        self.placement: Placement = place(self.dist, plans, sides)
+        self.plan = plans[self.rank]
+        self.side, self.tasks = self.placement.side, self.placement.tasks
+        self.is_lead = self.rank == self.side.lead and self.placement.trains
         validates = t.val_every > 0 or t.val_before_train
+        needed = self.placement.engines(engines_of(self.plan))
         if validates:   # every rank validates its share of the test split
             needed |= {"rollout", "reward"}
-        elif cfg.rollout.backend == "vllm" and self.world_size > 1:
-            _check_rollout_on_every_rank(plans)
+        elif rollout_backend(cfg).joins_process_group and self.world_size > 1:
+            _check_rollout_on_every_rank(plans, cfg.rollout.backend)
         # The data first: a bad file is reported before minutes of model loading.
-        d = cfg.data
-        train_source = ParquetPrompts(d.train_files, d.prompt_key)
-        val_source = (ParquetPrompts(d.val_files, d.prompt_key, config_key="data.val_files")
-                      if validates else None)
-        # Pre-flight: what needs only the tokenizer (batch divisibility, prompt lengths, CPU
-        # threads) is checked before minutes of model loading.
-        tokenizer = load_tokenizer(cfg.model.path, cfg.model.gguf_file)
-        self.loader = PromptLoader(
-            train_source, tokenizer,
-            batch_size=d.train_batch_size, rank=self.rank, world_size=self.world_size,
-            seed=cfg.trainer.seed, shuffle=d.shuffle, tail=d.tail,
-            max_prompt_length=d.max_prompt_length, truncation=d.truncation)
-        loaders = {"train": self.loader}
-        if val_source is not None:
+        tokenizer, self.loader, val_source = self._open_data(validates)
+        if is_host(self.device):
+            check_cpu_threads(t.torch_threads, self.dist.local_world_size, self.log)
+        check_mixed_precision(cfg.model.mixed_precision, self.device, self.log)
+        self._build_engines(needed, tokenizer)
+        if self.loader is not None and self.loader.dropped_per_epoch:
+            self.log(f"data: {self.loader.dropped_per_epoch} prompt(s) per epoch do not fill a "
+                     f"batch of {cfg.data.train_batch_size} and are dropped (data.tail=drop)")
+        self.validator = (Validator(cfg, val_source, self.engines, self.rank, self.world_size,
+                                    self.device) if validates else None)
+        self.checkpoint_root = Path(t.checkpoint_dir or self.run_dir / "checkpoints")
+        # The ranks that hold the trained models checkpoint them (async: the trainer side).
+        trainers = self.side if self.placement.trains else self.placement.peer
+        self.checkpointer = Checkpointer(self.checkpoint_root, rank=trainers.index,
+                                         keep_last=t.keep_last, barrier=trainers.barrier,
+                                         broadcast=trainers.broadcast, all_ok=trainers.all_true,
+                                         process_group=trainers.group)
+        estimate = self._estimate_memory(needed, runtime_rss)
+        # Per-task timing, memory, FLOPs and the profiler (dagrl/observe/observer.py).
+        self.observer = StepObserver(cfg, self.graph, self.engines, self.side.index,
+                                     self.side.size, self.device, self.side.cpu_group,
+                                     estimated_peak_gb=estimate or None)
+        self._open_streams()
+        self.logger: RunLogger | None = None   # the lead's, created when training starts
+        self.resumed_from: Path | None = None  # the checkpoint resume() loaded
+        self._replicated: tuple = ()   # the training layout's samples when last balanced
+
+    def _open_data(self, validates: bool) -> tuple:
+        """(tokenizer, train loader, validation source): the ranks that read prompts read their
+        shard of the side's; pre-flight checks what needs only the tokenizer (batch
+        divisibility, prompt lengths) before minutes of model loading."""
+        d = self.cfg.data
+        tokenizer = load_tokenizer(self.cfg.model.path, self.cfg.model.gguf_file)
+        loaders, loader, val_source = {}, None, None
+        if self.placement.reads_prompts:
+            loader = loaders["train"] = PromptLoader(
+                ParquetPrompts(d.train_files, d.prompt_key), tokenizer,
+                batch_size=d.train_batch_size, rank=self.side.index, world_size=self.side.size,
+                seed=self.cfg.trainer.seed, shuffle=d.shuffle, tail=d.tail,
+                max_prompt_length=d.max_prompt_length, truncation=d.truncation)
+        if validates:
+            val_source = ParquetPrompts(d.val_files, d.prompt_key, config_key="data.val_files")
             loaders["val"] = PromptLoader(val_source, tokenizer, batch_size=1, tail="pad",
                                           max_prompt_length=d.max_prompt_length,
                                           truncation=d.truncation)
         check_prompts(loaders, self.log)
-        if is_host(self.device):
-            check_cpu_threads(t.torch_threads, self.dist.local_world_size, self.log)
-        check_mixed_precision(cfg.model.mixed_precision, self.device, self.log)
-        self.engines = build_engines(cfg, needed, self.device, world_size=self.world_size,
-                                     log=self.log, tokenizer=tokenizer)
+        return tokenizer, loader, val_source
+
+    def _build_engines(self, needed: set[str], tokenizer) -> None:
+        """This side's engines; in async mode the trained models shard over the side's ranks."""
+        cfg, side, kind = self.cfg, self.side, self.placement.kind
+        # One layout, computed once for this rank's side (engines/layout.py): the build reads it
+        # as `dagrl plan --memory` does.
+        self.layout = EngineLayout.of(cfg, self.world_size,
+                                      side_ranks=side.ranks if kind != "all" else None,
+                                      side=kind if kind != "all" else None,
+                                      device_type=self.device.type)
+        self.engines = build_engines(cfg, needed, self.device, layout=self.layout, log=self.log,
+                                     tokenizer=tokenizer,
+                                     dp_group=side.group if kind != "all" else None)
         # The config's extra policies (config/models.py), each with its own engines.
         self.model_engines = {
             name: build_engines(model_config(cfg, name), engines_of(self.plan, name),
                                 self.device, world_size=self.world_size, log=self.log)
             for name in cfg.models}
-        if self.loader.dropped_per_epoch:
-            self.log(f"data: {self.loader.dropped_per_epoch} prompt(s) per epoch do not fill a "
-                     f"batch of {d.train_batch_size} and are dropped (data.tail=drop)")
-        self.validator = (Validator(cfg, val_source, self.engines, self.rank, self.world_size,
-                                    self.device) if validates else None)
-        self.checkpoint_root = Path(t.checkpoint_dir or self.run_dir / "checkpoints")
-        self.checkpointer = Checkpointer(self.checkpoint_root, rank=self.rank,
-                                         keep_last=t.keep_last, barrier=self.dist.barrier,
-                                         broadcast=self.dist.broadcast_object,
-                                         all_ok=self.dist.all_true)
-        # The plan's estimate, for the report beside the measured peak: the largest over ranks
-        # (a rank without the actor reports 0), so every rank logs the same metrics.
-        estimate = 0.0
-        if self.engines.actor is not None:
+
+    def _estimate_memory(self, needed: set[str], runtime_rss: int) -> float:
+        """The plan's estimate, for the report beside the measured peak: the largest over the
+        side's ranks (a rank without the actor reports 0), so every rank logs the same
+        metrics. Sync placements only: the estimate knows no async sides yet."""
+        cfg, estimate = self.cfg, 0.0
+        if self.engines.actor is not None and self.placement.kind == "all":
             lines = estimate_memory(cfg, ModelShape.of(self.engines.actor.model.config),
                                     has_ref="ref" in needed, has_critic="critic" in needed)
             with_ref = {name for name in cfg.models if "ref" in engines_of(self.plan, name)}
             lines += other_model_lines(cfg, other_model_shapes(cfg), with_ref)
             estimate = estimated_peak(lines, runtime_rss) / GB
-        estimate = self.dist.max_over_ranks(estimate)
+        estimate = self.side.max(estimate)
         if estimate > 0:
             self.log(f"memory: estimated peak {estimate:.2f} GiB per rank (dagrl plan --memory "
                      "for the breakdown)")
-        # Per-task timing, memory, FLOPs and the profiler (dagrl/observe/observer.py).
-        self.observer = StepObserver(cfg, self.graph, self.engines, self.rank, self.world_size,
-                                     self.device, self.dist.cpu_group,
-                                     estimated_peak_gb=estimate or None)
-        self.logger: RunLogger | None = None   # rank 0's, created when training starts
-        self._replicated: tuple = ()   # the training layout's samples when last balanced
+        return estimate
+
+    def _open_streams(self) -> None:
+        """The placement's batch source and sink (runtime/streams.py); in async mode the
+        rollout ranks generate through a versioned engine fed by the trainer's weights, and the
+        trainer ranks' weight sync sends to them."""
+        p, cfg, device = self.placement, self.cfg, self.device
+        staleness = cfg.rollout.max_staleness
+        wire = DTYPES[cfg.model.rollout_dtype]
+        last = cfg.trainer.total_steps - 1   # no batch is generated with a later version
+        if p.kind == "all":
+            self.source = PromptSource(self.loader, device)
+            self.sink = MetricsSink(self.side, self.observer)
+        elif p.kind == "rollout":
+            self.source = FreshWeightsPromptSource(
+                self.loader, device, self.engines.rollout, source_rank=p.peer.lead, dtype=wire,
+                last_version=last, max_staleness=staleness, group=self.dist.cpu_group)
+            r = cfg.rollout
+            self.engines.rollout = VersionedRollout(
+                self.engines.rollout, chunk_tokens=r.partial_chunk_tokens if r.partial else 0,
+                between_chunks=self.source.between_chunks if r.partial else None)
+            self.sink = GroupSink(p.peer.ranks, self.dist.cpu_group, self.source)
+        else:
+            self.source = GroupSource(p.peer.ranks, self.dist.cpu_group, device, staleness)
+            self.sink = MetricsSink(self.side, self.observer)
+            self.engines.weight_sink = WeightSender(p.peer.ranks, is_source=self.is_lead,
+                                                    dtype=wire, last_version=last,
+                                                    group=self.dist.cpu_group)
 
     def log(self, message: str) -> None:
-        if self.rank == 0:
+        if self.is_lead:
             print(f"[dagrl] {message}", flush=True)
 
     def log_event(self, message: str) -> None:
         """A message that also belongs in the run's log (dagrl.log): checkpoint fallbacks."""
         self.log(message)
-        if self.rank == 0:
+        if self.is_lead:
             append_run_log(self.run_dir, message)
 
-    def run_step(self, step: int) -> dict[str, float]:
-        """Run this rank's plan once; returns the step's metrics reduced over all ranks."""
+    def run_step(self, step: int) -> dict[str, float] | None:
+        """One step of this rank's placement, sync or async alike: the source's batch through
+        this rank's tasks into the sink. Returns the step's metrics reduced over the side's
+        ranks (None on an async rollout rank: they travel with its groups)."""
         metrics = StepMetrics()
-        step_start = time.perf_counter()
-        batch = self.run_tasks(self.plan.tasks, step, metrics)
-        metrics.add_max("timing/step_s", time.perf_counter() - step_start)
-        replicated = self.plan.tasks and self.plan.tasks[-1].group > 1
-        # A replica's samples count once, not on each of its ranks.
-        metrics.add_sum("batch/samples", len(batch)
-                        if not replicated or self.dist.is_replica_leader else 0)
-        result = metrics.reduce(self.dist.cpu_group if self.dist.distributed else None)
-        return self.observer.finish_step(step, result)
+        began = time.perf_counter()
+        batch = self.source.next_batch(step, metrics)
+        batch = self.run_tasks(self.tasks, batch, step, metrics)
+        if self.placement.trains:
+            replicated = self.tasks and self.tasks[-1].group > 1
+            # A replica's samples count once, not on each of its ranks.
+            metrics.add_sum("batch/samples", len(batch)
+                            if not replicated or self.dist.is_replica_leader else 0)
+        return self.sink.finish(step, batch, metrics, time.perf_counter() - began)
 
-    def run_tasks(self, tasks: tuple[Task, ...], step: int, metrics: StepMetrics) -> Batch:
-        """Run `tasks` (the plan, or a prefix of it) on this rank's next prompts: the worker
-        loop. A node task calls its role; reshard and balance move samples between ranks."""
-        batch = self.loader.next_batch().to(self.device)
+    def run_tasks(self, tasks: tuple[Task, ...], batch: Batch, step: int,
+                  metrics: StepMetrics) -> Batch:
+        """Run `tasks` (the placement's, or a prefix of them) on `batch`: the worker loop. A
+        node task calls its role; reshard and balance move samples between ranks."""
         most = len(batch)
         for i, task in enumerate(tasks):
             # The ranks of a replica compute the same node metrics: they count once.
@@ -250,7 +329,8 @@ class Worker:
                            self.model_engines[m] if m else self.engines,
                            PrefixedMetrics(metrics, prefix_of(m)) if m else metrics,
                            reduce_sum=self._reducer(group),
-                           more=lambda: self.run_tasks(upstream, step, again),
+                           more=(lambda: self.run_tasks(upstream, self.source.more(), step, again))
+                           if self.source.can_give_more else None,
                            model_engines=self.model_engines)
 
     def _reducer(self, group):
@@ -266,11 +346,32 @@ class Worker:
 
     # --- the run -----------------------------------------------------------------------------
     def train(self) -> list[dict[str, float]]:
-        """Resume if a checkpoint is found, then train to trainer.total_steps. Returns the
-        metrics of the steps run by this call."""
+        """Resume if a checkpoint is found, then run to trainer.total_steps. Returns the
+        metrics of the steps run by this call (the same list on every rank)."""
         t = self.cfg.trainer
-        start = self.resume()
-        if self.rank == 0:
+        start, position = self.resume() if self.placement.trains else (0, None)
+        if self.placement.kind != "all":   # the trainer's lead tells the rollout ranks
+            trainer_lead = (self.side if self.placement.trains else self.placement.peer).lead
+            start, position = self.dist.broadcast_object((start, position), src=trainer_lead)
+        history: list[dict[str, float]] = []
+        if start < t.total_steps:
+            try:
+                self.source.begin(start, position)
+            except ValueError as err:   # another dataset or batch size than the checkpoint's
+                raise CheckpointError(f"checkpoint {self.resumed_from}: {err}") from err
+            self._publish_weights(start)
+            history = self._steps(start)
+            self.sink.end()
+            self.source.end()
+            if self.engines.weight_sink is not None:
+                self.engines.weight_sink.flush()
+        if self.placement.kind != "all":   # an async rollout rank returns the trainer's record
+            history = self.dist.broadcast_object(history, src=trainer_lead)
+        return history
+
+    def _steps(self, start: int) -> list[dict[str, float]]:
+        t = self.cfg.trainer
+        if self.is_lead:
             self.logger = RunLogger(self.cfg.logging, self.run_dir, t.total_steps,
                                     start_step=start)
         history = []
@@ -279,6 +380,8 @@ class Worker:
                 self._log(0, self.validate(0))
             for step in range(start + 1, t.total_steps + 1):
                 metrics = self.run_step(step)
+                if metrics is None:   # an async rollout rank: its metrics went with its groups
+                    continue
                 last = step == t.total_steps
                 if t.val_every and (step % t.val_every == 0 or last):
                     metrics.update(self.validate(step))
@@ -293,6 +396,19 @@ class Worker:
                 self.logger.close()
         return history
 
+    def _publish_weights(self, start: int) -> None:
+        """The rollout engines start from the actor's weights: an async trainer side sends them
+        (with their layout) to the rollout ranks; after a resume, the sync engines take the
+        checkpoint's (they were built from the initial weights)."""
+        e = self.engines
+        if isinstance(e.weight_sink, WeightSender):
+            e.weight_sink.send_first(e.actor.full_weights(), start)
+            e.synced_version = e.actor.version
+        elif start > 0 and self.placement.kind == "all":
+            for engines in (e, *self.model_engines.values()):
+                engines.synced_version = -1
+                engines.sync_rollout_weights()
+
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         if self.logger is not None:
             self.logger.log(step, metrics)
@@ -301,9 +417,9 @@ class Worker:
         metrics = self.validator.run()
         if self.validator.samples:      # rank 0, logging.val_generations > 0
             append_generations(self.run_dir / GENERATIONS_FILE, step, self.validator.samples)
-        return metrics.reduce(self.dist.cpu_group if self.dist.distributed else None)
+        return metrics.reduce(self.side.cpu_group)
 
-    # --- checkpoints ---------------------------------------------------------------------------
+    # --- checkpoints (the ranks that train) ----------------------------------------------------
     def trained_engines(self) -> dict:
         """The engines a checkpoint holds, by name: actor, critic, and `<model>:actor` /
         `<model>:critic` of each extra policy."""
@@ -322,46 +438,50 @@ class Worker:
 
     def save_checkpoint(self, step: int) -> Path:
         e = self.engines
-        state = {"loader": self.loader.state_dict(), "world_size": self.world_size,
+        state = {"loader": self.source.position(), "world_size": self.world_size,
                  "versions": {name: engine.version
                               for name, engine in self.trained_engines().items()},
                  "kl_controller": e.kl_controller.state_dict() if e.kl_controller else None}
+        if self.placement.kind == "trainer":
+            # What a resume does with the groups generated but not yet trained on.
+            state["async"] = {"trainer_ranks": list(self.side.ranks),
+                              "in_flight_groups": "regenerated"}
+        began = time.perf_counter()
         path = self.checkpointer.save(step, self.stateful_engines(), state,
                                       hf_files=self.engines.write_hf_files)
-        self.log(f"checkpoint: step {step} -> {path}")
+        self.log(f"checkpoint: step {step} -> {path} ({time.perf_counter() - began:.1f} s)")
         return path
 
-    def resume(self) -> int:
-        """Load the checkpoint `trainer.resume` selects; returns its step (0: none)."""
+    def resume(self) -> tuple[int, dict | None]:
+        """Load the checkpoint `trainer.resume` selects into the trained engines; returns its
+        step and data position ((0, None): none)."""
+        self.resumed_from = None
         resume = self.cfg.trainer.resume
         if resume == "auto":   # the newest that loads completely, falling back past damage
             found = self.checkpointer.load_newest(self.stateful_engines(), self.log_event)
             if found is None:
-                return 0
+                return 0, None
             path, state = found
         else:
             path = resolve_resume(resume, self.checkpoint_root)
             if path is None:
-                return 0
+                return 0, None
             state = self.checkpointer.load(path, self.stateful_engines())
-        e = self.engines
-        try:
-            self.loader.load_state_dict(state["loader"])
-        except ValueError as err:   # another dataset or batch size than the checkpointed run's
-            raise CheckpointError(f"checkpoint {path}: {err}") from err
+        self.resumed_from = path
+        if not isinstance(state.get("loader"), dict):
+            raise CheckpointError(f"checkpoint {path}: no dataloader position")
         trained = self.trained_engines()
         for name, version in state["versions"].items():
             trained[name].version = version
+        e = self.engines
         if e.kl_controller is not None and state["kl_controller"] is not None:
             e.kl_controller.load_state_dict(state["kl_controller"])
-        for engines in (e, *self.model_engines.values()):
-            engines.synced_version = -1   # the rollout engines still hold the initial weights
-            engines.sync_rollout_weights()
         step = int(state["step"])
-        if self.rank == 0:
+        if self.is_lead:
             truncate_jsonl(self.run_dir / "metrics.jsonl", step)
             truncate_jsonl(self.run_dir / GENERATIONS_FILE, step)
+        in_flight = ("; the groups in flight then are generated again"
+                     if self.placement.kind != "all" else "")
         self.log(f"resumed from {path} (step {step}, saved by {state['world_size']} worker(s), "
-                 f"now {self.world_size})")
-        return step
-
+                 f"now {self.world_size}{in_flight})")
+        return step, state["loader"]
