@@ -45,9 +45,7 @@ class AutoRollout(RolloutBackend):
         actor = build.actor_model
         if actor is not None and unsupported_reason(actor) is None:
             return NativeRollout.from_config(cfg, build)   # over the actor's own weights
-        return cls.over_model(build.load_model(), eos_token_id=build.eos_token_id,
-                              pad_token_id=build.pad_token_id,
-                              stop_token_ids=build.stop_token_ids)
+        return super().from_config(cfg, build)   # a fresh copy, then native or hf for it
 
     @classmethod
     def over_model(cls, model: torch.nn.Module, *, eos_token_id: int, pad_token_id: int,

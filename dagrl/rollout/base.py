@@ -124,8 +124,11 @@ class RolloutBackend:
 
     @classmethod
     def from_config(cls, cfg: Config, build: RolloutBuild) -> RolloutEngine:
-        """The engine for `cfg`."""
-        raise NotImplementedError(f"{cls.__name__}.from_config")
+        """The engine for `cfg`: by default over a fresh in-process copy of the policy
+        (`build.load_model`); a backend with weights of its own overrides this."""
+        return cls.over_model(build.load_model(), eos_token_id=build.eos_token_id,
+                              pad_token_id=build.pad_token_id,
+                              stop_token_ids=build.stop_token_ids)
 
     @classmethod
     def over_model(cls, model: torch.nn.Module, *, eos_token_id: int, pad_token_id: int,
@@ -181,13 +184,6 @@ class ModelCopy(RolloutBackend):
         self.pad_token_id = pad_token_id
         self.stop_token_ids = stop_tokens(eos_token_id, stop_token_ids)
         self.weights_version = 0
-
-    @classmethod
-    def from_config(cls, cfg: Config, build: RolloutBuild) -> RolloutEngine:
-        """Over a fresh copy of the policy (`build.load_model`)."""
-        return cls.over_model(build.load_model(), eos_token_id=build.eos_token_id,
-                              pad_token_id=build.pad_token_id,
-                              stop_token_ids=build.stop_token_ids)
 
     @classmethod
     def over_model(cls, model: torch.nn.Module, *, eos_token_id: int, pad_token_id: int,
