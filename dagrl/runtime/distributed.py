@@ -75,18 +75,6 @@ class DistContext:
         dist.broadcast_object_list(box, src=src, group=self.cpu_group)
         return box[0]
 
-    def max_over_ranks(self, value: float) -> float:
-        """The largest of every rank's `value` (collective: every rank calls it)."""
-        if not self.distributed:
-            return value
-        box = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self.cpu_group)
-        return float(box.item())
-
-    def all_true(self, ok: bool) -> bool:
-        """True on every rank iff every rank passed True (collective)."""
-        return self.max_over_ranks(0.0 if ok else 1.0) == 0.0
-
 
 def env_world() -> tuple[int, int, int] | None:
     """(rank, world_size, local_rank) from the launcher's environment, or None when absent."""

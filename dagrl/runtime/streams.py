@@ -109,7 +109,7 @@ class GroupSource:
     """The async trainer side's batches: this rank's share of the groups every rollout rank
     generated and scored for the step, with their metrics and data position."""
 
-    can_give_more = False
+    can_give_more = False   # it reads no prompts: no `more()` within a step
 
     def __init__(self, rollout_ranks: tuple[int, ...], group: dist.ProcessGroup | None,
                  device: torch.device, max_staleness: int) -> None:
@@ -131,9 +131,6 @@ class GroupSource:
                 self._position = meta["loader"]
         check_staleness(batch, step, self.max_staleness, metrics)
         return batch
-
-    def more(self) -> Batch:   # pragma: no cover - callers check can_give_more
-        raise RuntimeError("the async trainer side cannot read more prompts within a step")
 
     def position(self) -> dict | None:
         """The data position of the last groups pulled: a resume generates from there."""
