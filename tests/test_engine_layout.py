@@ -2,7 +2,7 @@
 its decisions and their checks, and the estimate's per-rank model states equal, byte for byte,
 what the built engines hold on each rank (parameter shards, gradients after a backward, AdamW
 state after a step, the reference, the rollout copy) for one worker, FSDP2, TP=2, HSDP, LoRA,
-offload and async 1+1."""
+LoRA under TP=2, offload and async 1+1."""
 
 from __future__ import annotations
 
@@ -159,6 +159,8 @@ TWO_WORKERS = {
     "tp2": ["trainer.n_workers=2", "actor.tensor_parallel_size=2", "critic"],
     "hsdp": ["trainer.n_workers=2", "trainer.fsdp_shard_size=1"],
     "lora": ["trainer.n_workers=2", "actor.lora.rank=4"],
+    # adapters split with their base linears: B of column-, A of row-parallel ones
+    "lora_tp2": ["trainer.n_workers=2", "actor.tensor_parallel_size=2", "actor.lora.rank=4"],
     "offload": ["trainer.n_workers=2", "actor.offload=true", "ref.offload=true"],
     "async": ["trainer.n_workers=2", "trainer.mode=async", "trainer.val_before_train=false"],
 }

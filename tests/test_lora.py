@@ -50,6 +50,21 @@ def test_merged_weights_equal_peft_merge_and_unload(tiny_model_dir):
         "model.layers.0.mlp.up_proj.bias"
 
 
+def test_merged_weights_take_the_parts_in_any_order(tiny_model_dir):
+    # Under tensor parallelism the gather yields the whole adapter halves (A of a column-,
+    # B of a row-parallel linear) before the split base weights.
+    model = _lora_model(tiny_model_dir)
+    named = [(n, p.detach()) for n, p in model.named_parameters()]
+    scalings = lora_scalings(model)
+    in_order = dict(merged_weights(iter(named), scalings))
+    reverse = dict(merged_weights(iter(named[::-1]), scalings))
+    assert sorted(reverse) == sorted(in_order)
+    for name, tensor in in_order.items():
+        assert torch.equal(reverse[name], tensor), name
+    with pytest.raises(RuntimeError, match="without their pair"):
+        list(merged_weights(iter(n for n in named if ".lora_B." not in n[0]), scalings))
+
+
 def test_reference_view_is_the_base_model(tiny_model_dir):
     model, base = _lora_model(tiny_model_dir), load_model(str(tiny_model_dir))
     g = torch.Generator().manual_seed(1)

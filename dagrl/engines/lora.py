@@ -90,30 +90,46 @@ def hf_name(peft_name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
+# peft's parameter names of an adapted linear, by the part of W + s · B A each one is.
+_LORA_PARTS = ((".base_layer", "weight", "W"), (".lora_A.default", "weight", "A"),
+               (".lora_B.default", "weight", "B"))
+
+
+def _lora_part(name: str) -> tuple[str, str] | None:
+    """(adapted module, "W" | "A" | "B") of a peft parameter name, or None for any other."""
+    module, _, leaf = name.rpartition(".")
+    for suffix, want, part in _LORA_PARTS:
+        if module.endswith(suffix) and leaf == want:
+            return module.removesuffix(suffix), part
+    return None
+
+
 @torch.no_grad()
 def merged_weights(named: Iterator[tuple[str, torch.Tensor]],
                    scalings: dict[str, float]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Plain HF (name, tensor) pairs from a peft model's full (gathered) parameters, in order,
-    each adapted weight replaced by W + s · B A.
+    """Plain HF (name, tensor) pairs from a peft model's full (gathered) parameters, each
+    adapted weight replaced by W + s · B A.
 
     peft registers an adapted linear's parameters as base_layer.weight, [base_layer.bias],
-    lora_A.default.weight, lora_B.default.weight: the base weight is held back until its B
-    arrives; every other tensor passes through under its HF name.
+    lora_A.default.weight, lora_B.default.weight: the three parts of a merge are held until
+    the last of them arrives, in whatever order (under tensor parallelism the gather yields
+    the whole adapter halves before the split base weights); every other tensor passes
+    through under its HF name at once.
     """
-    held: dict[str, torch.Tensor] = {}   # module name -> base weight, then "<module>.A" -> A
+    held: dict[str, dict[str, torch.Tensor]] = {}   # adapted module -> {"W", "A", "B"}
     for name, tensor in named:
-        module, _, leaf = name.rpartition(".")
-        if module.endswith(".base_layer") and leaf == "weight":
-            held[module.removesuffix(".base_layer")] = tensor
-        elif module.endswith(".lora_A.default"):
-            held[module.removesuffix(".lora_A.default") + ".A"] = tensor
-        elif module.endswith(".lora_B.default"):
-            owner = module.removesuffix(".lora_B.default")
-            base, a = held.pop(owner), held.pop(owner + ".A")
-            merged = base + scalings[owner] * (tensor.to(base.dtype) @ a.to(base.dtype))
-            yield hf_name(owner + ".weight"), merged
-        else:
+        part = _lora_part(name)
+        if part is None:
             yield hf_name(name), tensor
+            continue
+        owner, which = part
+        parts = held.setdefault(owner, {})
+        parts[which] = tensor
+        if len(parts) == len(_LORA_PARTS):
+            del held[owner]
+            base, a, b = parts["W"], parts["A"], parts["B"]
+            yield hf_name(owner + ".weight"), base + scalings[owner] * (
+                b.to(base.dtype) @ a.to(base.dtype))
     if held:
         raise RuntimeError(f"weight sync: LoRA parameters without their pair: {sorted(held)[:4]}")
 
@@ -161,6 +177,13 @@ class ReferenceView:
 
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.peft_model.get_output_embeddings()
+
+    @property
+    def dagrl_sp_mesh(self):
+        """The actor's sequence-parallel mesh (ulysses.sequence_parallel_mesh reads this
+        attribute): the reference pass must shard its sequences the same way, since the
+        model's attention expects 1/sp of every sequence."""
+        return getattr(self.peft_model, "dagrl_sp_mesh", None)
 
     @torch.no_grad()
     def __call__(self, *args, **kwargs):

@@ -20,6 +20,16 @@ attention on its local heads. Fewer KV heads than ranks (the tiny models have on
 v_proj stay whole on every rank, each rank slices out the KV head its query heads read, and the
 gradients of that weight and of its input are summed over the tp group in backward (only the
 ranks reading a head contribute to it), as Megatron and vLLM replicate KV heads.
+
+LoRA (peft) wraps a linear as base_layer + B A x · s; the adapters are split with their base so
+that each rank's share of base(x) + s B(A(x)) is exactly the one-device math:
+
+    column-parallel base (output rows split)   A [r, in] whole, B [out, r] split on its rows:
+                                               rank t computes its output rows from A x
+    row-parallel base (input columns split)    A split on its columns, A x all-reduced (the
+                                               base's own partial sums are), B whole
+    replicated KV base (fewer KV heads)        A whole, B whole with the rank's head rows
+                                               sliced, like the base weight
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from torch.distributed.tensor import (
 )
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     RowwiseParallel,
     parallelize_module,
 )
@@ -85,20 +96,35 @@ def layer_plan(kv_heads: int, tp: int) -> dict[str, str]:
     return plan
 
 
+def lora_adapters(module: torch.nn.Module) -> dict[str, tuple[torch.nn.Module, torch.nn.Module]]:
+    """{adapter name: (A, B)} of a peft LoRA linear; {} for a plain linear."""
+    lora_a = getattr(module, "lora_A", None)
+    return {name: (lora_a[name], module.lora_B[name]) for name in lora_a} if lora_a else {}
+
+
+def _base(module: torch.nn.Module) -> torch.nn.Module:
+    """The linear itself: peft's base_layer under LoRA, else the module."""
+    return getattr(module, "base_layer", module)
+
+
 def split_dims(model: torch.nn.Module, tp: int) -> dict[int, int]:
     """{id(parameter): the dim tensor parallelism over `tp` ranks splits it on} for the
-    parameters `tensor_parallelize` splits (`layer_plan`, the embedding and LM head over the
-    vocabulary); the others stay whole on every tp rank. Reads the module tree only, so it
-    works on a meta-device model (`dagrl plan --memory`)."""
+    parameters `tensor_parallelize` splits (`layer_plan` and its LoRA adapters, the embedding
+    and LM head over the vocabulary); the others stay whole on every tp rank. Reads the module
+    tree only, so it works on a meta-device model (`dagrl plan --memory`)."""
     if tp == 1:
         return {}
     dims: dict[int, int] = {}
     for layer in decoder_layers(model):
         for path, style in layer_plan(head_counts(model.config)[1], tp).items():
-            linear = layer.get_submodule(path)
+            module = layer.get_submodule(path)
+            linear = _base(module)
             dims[id(linear.weight)] = 0 if style == "colwise" else 1
             if linear.bias is not None and style == "colwise":
                 dims[id(linear.bias)] = 0
+            for a, b in lora_adapters(module).values():   # B's rows, or A's columns
+                dims[id(b.weight) if style == "colwise" else id(a.weight)] = (
+                    0 if style == "colwise" else 1)
     dims[id(model.get_input_embeddings().weight)] = 0
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if head is not None:
@@ -126,8 +152,10 @@ def _replicate_params(module: torch.nn.Module, mesh: DeviceMesh) -> None:
 
 
 def _replicated_kv(linear: torch.nn.Linear, mesh: DeviceMesh, rows: slice) -> None:
-    """k_proj / v_proj with fewer KV heads than tp ranks: the weight stays whole (Replicate) and
-    rank t computes only `rows` (its KV head): [.., H] -> [.., head_dim]."""
+    """k_proj / v_proj with fewer KV heads than tp ranks (or their LoRA B): the weight stays
+    whole (Replicate) and rank t computes only `rows` (its KV head): [.., in] -> [.., head_dim].
+    Each rank's gradient of the weight and of the input covers its head's rows only: both
+    are summed over tp."""
     distribute_module(linear, mesh)          # Replicate parameters, no input/output hooks
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -139,9 +167,50 @@ def _replicated_kv(linear: torch.nn.Linear, mesh: DeviceMesh, rows: slice) -> No
     linear.forward = forward
 
 
+def _layer_styles(layer: torch.nn.Module, plan: dict[str, str]
+                  ) -> tuple[dict[str, ParallelStyle], list[torch.nn.Module]]:
+    """`parallelize_module`'s plan for a decoder layer's linears (under LoRA: peft's base layer
+    and, of each adapter, B of a column-parallel linear, A of a row-parallel one, in the
+    base's style), and the adapter halves that stay whole (see the module docstring)."""
+    styles: dict[str, ParallelStyle] = {}
+    whole: list[torch.nn.Module] = []
+    for path, style in plan.items():
+        module = layer.get_submodule(path)
+        adapters = lora_adapters(module)
+        styles[f"{path}.base_layer" if adapters else path] = STYLES[style]()
+        for name, (a, b) in adapters.items():
+            split = f"{path}.lora_B.{name}" if style == "colwise" else f"{path}.lora_A.{name}"
+            styles[split] = STYLES[style]()
+            whole.append(a if style == "colwise" else b)
+    return styles, whole
+
+
+def check_lora_tensor_parallel(model: torch.nn.Module) -> None:
+    """Raise ValueError unless every LoRA adapter of `model` can be split as the module
+    docstring says: on the decoder layers' attention / MLP linears, plain LoRA, no dropout."""
+    handled = {id(layer.get_submodule(f"{part}.{name}")) for layer in decoder_layers(model)
+               for part, names in (("self_attn", ATTENTION), ("mlp", MLP))
+               for name in names if hasattr(layer.get_submodule(part), name)}
+    for name, module in model.named_modules():
+        if not hasattr(module, "lora_A"):
+            continue
+        if id(module) not in handled:
+            raise ValueError(f"tensor parallelism splits LoRA adapters on the decoder layers' "
+                             f"attention and MLP linears only; actor.lora.target_modules also "
+                             f"adapts {name}")
+        if getattr(module, "lora_variant", None):
+            raise ValueError(f"tensor parallelism splits plain LoRA adapters only ({name} has "
+                             f"{sorted(module.lora_variant)})")
+        if any(getattr(d, "p", 0) > 0 for d in module.lora_dropout.values()):
+            raise ValueError("actor.lora.dropout > 0 with tensor parallelism: a column-parallel "
+                             "adapter's input is whole on every tp rank, and each rank would "
+                             "draw its own dropout mask for it (set actor.lora.dropout=0)")
+
+
 def tensor_parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Module:
-    """Shard `model` (a HF causal LM or token-classification model of the Llama/Qwen2 layout)
-    over the 1-D tp `mesh` in place; see the module docstring."""
+    """Shard `model` (a HF causal LM or token-classification model of the Llama/Qwen2 layout,
+    optionally wrapped in peft's LoRA) over the 1-D tp `mesh` in place; see the module
+    docstring."""
     tp, rank = mesh.size(), mesh.get_local_rank()
     config = model.config
     check_tensor_parallel(config, tp)
@@ -153,14 +222,22 @@ def tensor_parallelize(model: torch.nn.Module, mesh: DeviceMesh) -> torch.nn.Mod
             raise ValueError(f"tensor parallelism supports Llama/Qwen2-layout decoder layers "
                              f"(self_attn.{{q,k,v,o}}_proj, mlp.{{gate,up,down}}_proj); "
                              f"{type(layer).__name__} differs")
-        parallelize_module(layer, mesh, {path: STYLES[style]()
-                                         for path, style in layer_plan(kv, tp).items()})
+    check_lora_tensor_parallel(model)
+    for layer in decoder_layers(model):
+        attn = layer.self_attn
+        styles, whole = _layer_styles(layer, layer_plan(kv, tp))
+        parallelize_module(layer, mesh, styles)
+        for module in whole:
+            _replicate_params(module, mesh)
         if kv % tp:
             head_dim = attn.head_dim
             head = rank // (tp // kv)            # the KV head this rank's query heads read
             rows = slice(head * head_dim, (head + 1) * head_dim)
-            _replicated_kv(attn.k_proj, mesh, rows)
-            _replicated_kv(attn.v_proj, mesh, rows)
+            for proj in (attn.k_proj, attn.v_proj):
+                _replicated_kv(_base(proj), mesh, rows)
+                for a, b in lora_adapters(proj).values():
+                    _replicate_params(a, mesh)
+                    _replicated_kv(b, mesh, rows)
         # Query heads per KV head on this rank (sdpa / eager repeat the KV heads by it).
         attn.num_key_value_groups = (heads // tp) // max(kv // tp, 1)
         for name, child in layer.named_children():

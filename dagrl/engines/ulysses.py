@@ -37,7 +37,7 @@ from dagrl.engines.sharding import decoder_layers
 from dagrl.engines.tensor_parallel import head_counts
 
 NAME = "dagrl_ulysses"
-_MESH_ATTR = "dagrl_sp_mesh"
+_MESH_ATTR = "dagrl_sp_mesh"   # lora.ReferenceView forwards it under this name
 # The model-call keyword that carries each row's sequences (SequenceShard.segments) down to
 # ulysses_attention: transformers passes unknown keywords through to the attention function,
 # and activation checkpointing replays them in the recompute.

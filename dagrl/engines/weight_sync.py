@@ -88,6 +88,7 @@ def gather_full_weights(model: torch.nn.Module,
     `named_parameters` order). A collective over the model's mesh: every rank must consume
     the iterator. Under HSDP each shard group holds a whole copy: the gathers stay inside the
     rank's group, never across the replicas."""
+    _reshard(model)
     params = list(model.named_parameters())
     # Bucket kinds: "dp" (FSDP2 rows over mesh dim 0), "hsdp" (rows over mesh dim 1, the
     # shard group), "tp" (rows over dim 0 of a tp slice, then the slices over dim 1).
@@ -103,6 +104,18 @@ def gather_full_weights(model: torch.nn.Module,
     for kind, members in kinds.items():
         for bucket in _buckets(members, bucket_bytes):
             yield from _gather_bucket(bucket, kind == "tp")
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Every FSDP2 unit of `model` back to its shards. FSDP2 keeps the root's parameters
+    gathered after a forward, for the backward it expects; after a forward without one (the
+    reference pass of a LoRA actor) they are registered whole, on the tp mesh alone under
+    tensor parallelism, which the layouts above would misread as FSDP2 rows."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def _gather_flat(pieces: list[torch.Tensor], counts: list[list[int]],
