@@ -67,15 +67,12 @@ def test_cli_plan_prints_graph_and_tasks(capsys):
     assert "graph grpo" in out and "rank 0:" in out and "run actor_update [actor_update]" in out
 
 
-def test_multi_turn_layouts_not_supported_yet_are_refused():
+def test_multi_turn_composes_and_refuses_only_column_aligned_baselines():
     base = ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]"]
-    for extra, message in ((["trainer.mode=async", "trainer.n_workers=2",
-                             "actor.mini_batch_size=32"], "trainer.mode=async"),
-                           (["actor.tensor_parallel_size=2", "trainer.n_workers=2"],
-                            "tensor_parallel_size"),
-                           (["reward.source=judge", "judge.path=x"], "reward.source=judge")):
-        with pytest.raises(ConfigError, match=f"multi_turn with .*{message}"):
-            load_config(Config, None, [*base, *extra])
+    for extra in (["trainer.mode=async", "trainer.n_workers=2", "actor.mini_batch_size=32"],
+                  ["actor.tensor_parallel_size=2", "trainer.n_workers=2"],
+                  ["reward.source=judge", "judge.path=x"]):
+        load_config(Config, None, [*base, *extra])
     # column-aligned baselines and gapped masks: refused, naming the variant that fits
     with pytest.raises(ConfigError, match="use tir_optimal_token_baseline"):
         load_config(Config, None, [*base, "algorithm.adv_estimator=optimal_token_baseline"])

@@ -61,25 +61,29 @@ def _packed_inputs(prompt_ids, prompt_mask, responses, response_mask, attention_
     return tokens[keep][None], positions[keep][None], predicting
 
 
-def _global_layout(prompt_ids, prompt_mask, responses, response_mask, pack: bool):
+def _global_layout(prompt_ids, prompt_mask, responses, response_mask, attention_mask,
+                   pack: bool):
     """The [B, T] input of either layout for sequence parallelism: (input_ids, position_ids,
     valid = real tokens, wanted [N] = flat indices into [B * T] of the positions predicting
-    each used response token, row-major over the response mask). Masks without gaps only:
-    the config refuses multi-turn rollouts with sequence parallelism."""
+    each used response token, row-major over the response mask). The model reads
+    `attention_mask` (every response token, a multi-turn response's tool tokens included:
+    each sequence stays one contiguous span, as ulysses' segments need) and the outputs are
+    taken at `response_mask` (the policy's tokens, with gaps)."""
     if pack:
         input_ids, positions, predicting = _packed_inputs(prompt_ids, prompt_mask, responses,
-                                                          response_mask, response_mask)
+                                                          response_mask, attention_mask)
         return input_ids, positions, torch.ones_like(input_ids, dtype=torch.bool), predicting
     input_ids, attention, prompt_len, last = _trimmed_inputs(prompt_ids, prompt_mask, responses,
-                                                             response_mask)
+                                                             attention_mask)
     rows, cols = response_mask[:, :last].bool().nonzero(as_tuple=True)
     wanted = rows * input_ids.shape[1] + prompt_len - 1 + cols
     return input_ids, position_ids_from_mask(attention), attention.bool(), wanted
 
 
 def _sequence_shard(model: torch.nn.Module, mesh, prompt_ids, prompt_mask, responses,
-                    response_mask, pack: bool) -> SequenceShard:
-    layout = _global_layout(prompt_ids, prompt_mask, responses, response_mask, pack)
+                    response_mask, attention_mask, pack: bool) -> SequenceShard:
+    layout = _global_layout(prompt_ids, prompt_mask, responses, response_mask, attention_mask,
+                            pack)
     return shard_sequence(mesh, *layout)
 
 
@@ -90,7 +94,7 @@ def _response_outputs(model: torch.nn.Module, prompt_ids, prompt_mask, responses
     mesh = sequence_parallel_mesh(model)
     if mesh is not None:   # this rank's 1/sp of every sequence (ulysses.py)
         shard = _sequence_shard(model, mesh, prompt_ids, prompt_mask, responses, response_mask,
-                                pack)
+                                attention_mask, pack)
         out = model(input_ids=shard.input_ids, use_cache=False,
                     **shard.model_kwargs()).logits                        # [B, T/sp, C]
         local = out.reshape(-1, out.shape[-1])[shard.rows]
@@ -189,7 +193,7 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
     finish = None
     if mesh is not None:   # this rank's 1/sp of every sequence (ulysses.py)
         shard = _sequence_shard(model, mesh, prompt_ids, prompt_mask, responses, response_mask,
-                                pack)
+                                attention_mask, pack)
         input_ids = shard.input_ids
         kwargs = shard.model_kwargs()
         n_used = len(targets)

@@ -1,7 +1,8 @@
 """A generative judge: a causal LM asked to grade each response, its grade parsed from the text.
 
 For sample i the judge's prompt is `judge.template` rendered with the sample's question (the
-last user message of its prompt), the policy's response and the row's ground truth, wrapped in
+last user message of its prompt), the policy's response (a multi-turn episode whole, tool
+results included: roles/score.episode_texts) and the row's ground truth, wrapped in
 the judge tokenizer's chat template. The judge generates through a rollout engine (greedy by
 default) and the reward is
 

@@ -2,10 +2,12 @@
 scores each (prompt, response) pair with one scalar, as in verl's and OpenRLHF's reward-model
 workers.
 
-The reward model has its own tokenizer: the policy's response is decoded to text and the pair
-is rendered with the reward model's chat template (prompt messages + the response as the
-assistant turn), or, without one, the message contents joined by newlines. With several
-workers the model is FSDP2-sharded over them like the critic; it is never trained.
+The reward model has its own tokenizer: the policy's response is decoded to text (a multi-turn
+episode whole, tool results included, as verl's reward-model worker decodes it:
+roles/score.episode_texts) and the pair is rendered with the reward model's chat template
+(prompt messages + the response as the assistant turn), or, without one, the message contents
+joined by newlines. With several workers the model is FSDP2-sharded over them like the
+critic; it is never trained.
 
 The score of a sample is the classification head's output at the sample's last token:
     r_i = w^T h_i[L_i - 1] + b         h_i: final hidden states [L_i, H], L_i tokens

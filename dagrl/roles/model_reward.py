@@ -6,6 +6,9 @@ scorers'; a graph file may name them directly.
 Fields added for N samples, response width R: scores [N], token_level_scores [N, R] (as the
 rule `reward` role), and rm_scores [N] (the reward model's raw output) or judge_parsed [N]
 (1 where the judge's answer held a score).
+
+A multi-turn episode is scored whole: the model reads the prompt and the entire response,
+tool results included, as one assistant message (`score.episode_texts`, as verl does).
 """
 
 from __future__ import annotations
@@ -14,21 +17,21 @@ import torch
 
 from dagrl.data.batch import Batch
 from dagrl.roles.registry import NodeContext, register_role
-from dagrl.roles.score import decode_responses, place_outcome_scores
+from dagrl.roles.score import episode_texts, place_outcome_scores
 
 
-@register_role("reward_model", engines=("reward_model",))
+@register_role("reward_model", engines=("reward_model",), side="rollout")
 def reward_model(ctx: NodeContext, batch: Batch) -> Batch:
-    texts = decode_responses(ctx.engines.tokenizer, batch["responses"], batch["response_mask"])
+    texts = episode_texts(ctx.engines.tokenizer, batch)
     scores = ctx.engines.reward_model.score(batch["prompt"], texts)
     batch["rm_scores"] = scores
     place_outcome_scores(ctx, batch, scores.clone())
     return batch
 
 
-@register_role("judge", engines=("judge",))
+@register_role("judge", engines=("judge",), side="rollout")
 def judge(ctx: NodeContext, batch: Batch) -> Batch:
-    texts = decode_responses(ctx.engines.tokenizer, batch["responses"], batch["response_mask"])
+    texts = episode_texts(ctx.engines.tokenizer, batch)
     result = ctx.engines.judge.grade(batch["prompt"], texts, batch["ground_truth"],
                                      batch["sample_seed"])
     parsed = torch.tensor(result.parsed, dtype=torch.float32)

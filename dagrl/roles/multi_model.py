@@ -8,6 +8,12 @@ plus m's fields with the prefix taken off, so every built-in role (rollout, rewa
 advantage, actor_update, ...) works unchanged for any model; what it writes goes back under
 the prefix. Metrics of m's nodes are prefixed the same way (`refiner/actor/pg_loss`).
 
+A policy with rollout.multi_turn runs its own episodes (its agent loop over its own rollout
+engine, with the tools of its config): its re-rendered prompt_ids / prompt_mask, its
+response_attention_mask and turn_scores are its own fields like any other, so its reward,
+advantage and update read its own gapped masks. Its metrics (`checker/tools/calls_mean`)
+count its own tool calls.
+
 Roles that move data between models run as nodes of the main policy, which see every field:
 
     handoff      m's prompts from the main policy's responses (options: to, template)
@@ -23,7 +29,7 @@ from dagrl.data.batch import Batch
 from dagrl.data.dataset import encode_prompt
 from dagrl.engines.judge import question_text
 from dagrl.roles.registry import NodeContext, register_role
-from dagrl.roles.score import decode_responses
+from dagrl.roles.score import episode_texts, last_token_index
 
 # Fields every model reads: what identifies a sample and what its reward is checked against.
 SHARED_FIELDS = ("uid", "row_index", "batch_position", "data_source", "ground_truth",
@@ -93,12 +99,15 @@ def _other_model(ctx: NodeContext, key: str) -> str:
 def handoff(ctx: NodeContext, batch: Batch) -> Batch:
     """Prompts of model `to` made from the main policy's samples: `template` is formatted with
     {prompt} (the question) and {response} (the main policy's decoded answer), then encoded
-    with `to`'s tokenizer and chat template. Adds to/prompt, to/prompt_ids [N, P'] and
-    to/prompt_mask [N, P'] (left-padded)."""
+    with `to`'s tokenizer and chat template (a multi-turn response whole, tool results
+    included). Adds to/prompt, to/prompt_ids [N, P'] and to/prompt_mask [N, P'] (left-padded;
+    a multi-turn `to` renders its prompt again, with its tools)."""
     _main_policy_node(ctx, "handoff")
     to = _other_model(ctx, "to")
     template = ctx.node.options.get("template", "{prompt}{response}")
-    texts = decode_responses(ctx.engines.tokenizer, batch["responses"], batch["response_mask"])
+    # A multi-turn answer is handed on whole, tool results included: the next agent reads the
+    # episode as the reward does (score.episode_texts).
+    texts = episode_texts(ctx.engines.tokenizer, batch)
     prompts = [template.format(prompt=question_text(p), response=r)
                for p, r in zip(batch["prompt"], texts, strict=True)]
     tokenizer = ctx.model_engines[to].tokenizer
@@ -132,9 +141,9 @@ def mix_rewards(ctx: NodeContext, batch: Batch) -> Batch:
         raise GraphError(f"node {ctx.node.id!r}: options.weight must be in [0, 1], got {w}")
     mixed = (1 - w) * batch["scores"] + w * batch[prefix_of(other) + "scores"]
     mask = batch["response_mask"]
-    last = (mask.sum(-1).long() - 1).clamp(min=0)
     token_scores = torch.zeros_like(mask)
-    token_scores[torch.arange(len(batch)), last] = mixed
+    # the policy's last token: with multi-turn gaps not the mask's count
+    token_scores[torch.arange(len(batch)), last_token_index(mask)] = mixed
     batch["scores"] = mixed
     batch["token_level_scores"] = token_scores * (mask.sum(-1, keepdim=True) > 0)
     ctx.metrics.add_distribution("reward_mixed", mixed)

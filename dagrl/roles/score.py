@@ -30,6 +30,17 @@ def decode_responses(tokenizer, responses: torch.Tensor, mask: torch.Tensor) -> 
     return tokenizer.batch_decode(ids, skip_special_tokens=True)
 
 
+def episode_texts(tokenizer, batch: Batch) -> list[str]:
+    """The response of each sample as every reward reads it (rule scorer, reward model, judge):
+    a multi-turn episode whole, the tool and environment messages between the policy's turns
+    included (`response_attention_mask`). verl decodes a response over its attention mask for
+    its reward functions and for its reward-model worker (one assistant message after the
+    prompt), so a reward model or judge prompt written for verl reads the same text here; and
+    only with the tools' answers in view can it tell a final answer taken from a tool from
+    one made up. Single-turn: the response."""
+    return decode_responses(tokenizer, batch["responses"], response_attention(batch))
+
+
 def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     """The column of each row's last 1 in a [N, R] mask (0 for an empty row): [N]. Unlike
     `mask.sum(-1) - 1` it is right for masks with gaps."""
@@ -42,8 +53,7 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
 def reward(ctx: NodeContext, batch: Batch) -> Batch:
     if "turn_scores" in batch:   # an environment's episodes: its rewards are their score
         return _environment_scores(ctx, batch)
-    texts = decode_responses(ctx.engines.tokenizer, batch["responses"],
-                             response_attention(batch))
+    texts = episode_texts(ctx.engines.tokenizer, batch)
     sample_ids = [f"{uid}/{i}" for i, uid in enumerate(batch["uid"])]
     result = ctx.engines.reward_manager.score(texts, batch["data_source"], batch["ground_truth"],
                                              batch["extra_info"], sample_ids=sample_ids)
