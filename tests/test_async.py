@@ -16,7 +16,6 @@ from dagrl.dag.async_placement import place_async
 from dagrl.dag.spec import GraphError, GraphSpec, NodeSpec
 from dagrl.data.batch import Batch
 from dagrl.roles.plan import plan_with_sides, roles_on_side
-from dagrl.roles.registry import ROLES
 from tests.dist_helpers import run_distributed
 
 GRPO = GraphSpec("g", (NodeSpec("rollout", "rollout"), NodeSpec("reward", "reward", ("rollout",)),
@@ -49,10 +48,14 @@ def test_placement_follows_options_ranks_and_refuses_what_cannot_loop():
     late = GraphSpec("g", GRPO.nodes + (NodeSpec("r2", "reward", ("adv",)),))
     with pytest.raises(GraphError, match="'r2'.*depends on trainer-side"):
         place_async(late, ORDER + ["r2"], 2, ROLLOUT_SIDE_ROLES)
+    # A role that declares it cannot run async is refused, naming the node and the reason.
+    with pytest.raises(GraphError, match="'adv'.*advantage.*not supported.*a reason"):
+        place_async(GRPO, ORDER, 2, ROLLOUT_SIDE_ROLES, refusals={"advantage": "a reason"})
+    # DAPO's filter reads no trained weights: it follows the reward to the rollout side, where
+    # its more() can read fresh prompts.
     dapo = GraphSpec("g", GRPO.nodes + (NodeSpec("f", "filter", ("reward",)),))
-    with pytest.raises(GraphError, match="'f'.*filter.*not supported.*dynamic sampling"):
-        place_async(dapo, ORDER + ["f"], 2, ROLLOUT_SIDE_ROLES,
-                    refusals={"filter": ROLES.get("filter").async_refusal})
+    _, _, sides = place_async(dapo, ORDER + ["f"], 2, ROLLOUT_SIDE_ROLES, FOLLOWER_ROLES)
+    assert "f" in sides.rollout_nodes
 
 
 def test_the_frozen_reference_follows_its_inputs_to_the_rollout_side():
@@ -96,8 +99,10 @@ def test_async_config_is_checked_and_planned():
         load_config(Config, None, [*base, "actor.sequence_parallel_size=2"])
     with pytest.raises(ConfigError, match="trainer.mode=async with `models`"):
         load_config(Config, None, [*base, "models={refiner: {}}"])
-    with pytest.raises(ConfigError, match="trainer.mode=async with reward.source=judge"):
-        load_config(Config, None, [*base, "reward.source=judge", "judge.path=/x"])
+    # Scoring models, validation and the profiler run on their side.
+    load_config(Config, None, [*base, "reward.source=judge", "judge.path=/x",
+                               "data.val_files=[builtin:arith]", "trainer.val_every=2",
+                               "profiler.enable=true"])
 
 
 # --- the buffer and the weights over real process groups ---------------------------------------

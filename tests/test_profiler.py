@@ -160,7 +160,8 @@ def test_a_task_inside_a_recorded_task_is_a_nested_span(tmp_path):
             prof.task(1, Task("node", "rollout", "rollout")):
         torch.ones(4) @ torch.ones(4)
     prof.counter({"host_rss_mb": 1.0})
-    path = prof.finish(1, None, distributed=False)
+    prof.end_step(1)
+    path = prof.merge(None, distributed=False)
     spans = {e["name"]: e for e in json.loads(path.read_text())["traceEvents"]
              if e.get("cat") == "user_annotation"}
     outer, inner = spans["node:filter"], spans["node:rollout"]

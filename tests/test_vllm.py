@@ -216,3 +216,28 @@ def test_server_mode_against_vllm_serve(vllm_server, model_dir, prompts):
     a = server.generate(ids, mask, seeds, params, max_new_tokens=8)
     b = server.generate(ids, mask, seeds, params, max_new_tokens=8)
     assert torch.equal(a.responses, b.responses)
+
+
+def test_a_judge_served_by_vllm_grades_as_the_in_process_judge(vllm_server, model_dir):
+    """judge.backend=server: the judge model behind `vllm serve`, graded greedily, gives the
+    answers and scores the in-process hf judge gives (vLLM's greedy tokens equal hf's)."""
+    from dagrl.config.model_rewards import JudgeConfig
+    from dagrl.engines.judge import Judge
+    from dagrl.rollout import judge_rollout
+
+    tok = load_tokenizer(str(model_dir))
+    common = dict(path=str(model_dir), template="{prompt}{response}", score_pattern=r"(\d)",
+                  score_scale=9.0, max_new_tokens=4)
+    judges = {}
+    for backend, urls in (("hf", []), ("server", [vllm_server])):
+        cfg = JudgeConfig(backend=backend, server_urls=urls, **common)
+        engine = judge_rollout(cfg, lambda: load_model(str(model_dir)).eval(),
+                               eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        judges[backend] = Judge(cfg, engine, tok)
+    prompts = [[{"role": "user", "content": p}] for p in PROMPTS]
+    responses = ["3", "20", "8x", "", "0", "18 or 19"]
+    seeds = torch.zeros(len(prompts), dtype=torch.long)
+    served, local = (judges[b].grade(prompts, responses, [None] * len(prompts), seeds)
+                     for b in ("server", "hf"))
+    assert served.outputs == local.outputs
+    assert served.scores == local.scores and served.parsed == local.parsed

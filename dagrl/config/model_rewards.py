@@ -13,7 +13,7 @@ role on their `reward` node):
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from dagrl.config.loader import ConfigError
@@ -58,9 +58,15 @@ class JudgeConfig:
     path: str = ""
     gguf_file: str = ""
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
-    # The judge generates in-process: native (Llama/Qwen2 families), hf (any causal LM) or
-    # auto (native when it can).
-    backend: Literal["auto", "native", "hf"] = "auto"
+    # Where the judge generates: in this process with native (Llama/Qwen2 families), hf (any
+    # causal LM) or auto (native when it can); or `server`: OpenAI-compatible servers serving
+    # the judge model (`vllm serve judge.path`), at judge.server_urls. judge.path still gives
+    # the tokenizer (the prompts are sent as token ids).
+    backend: Literal["auto", "native", "hf", "server"] = "auto"
+    # backend=server: the servers' base URLs (requests round-robin over them) and the served
+    # model name (empty: the first one a server lists at /v1/models).
+    server_urls: list[str] = field(default_factory=list)
+    server_model: str = ""
     template: str = DEFAULT_JUDGE_TEMPLATE
     # A regular expression with one group: the first match in the judge's answer is the score.
     score_pattern: str = r"(-?\d+(?:\.\d+)?)"
@@ -79,6 +85,10 @@ class JudgeConfig:
         _check(self.temperature >= 0, "temperature must be >= 0")
         _check(self.score_scale > 0, "score_scale must be > 0")
         _check(self.micro_batch_size >= 1, "micro_batch_size must be >= 1")
+        _check((self.backend == "server") == bool(self.server_urls),
+               "backend=server needs server_urls, and server_urls need backend=server")
+        _check(all(u.startswith(("http://", "https://")) for u in self.server_urls),
+               "server_urls must be http:// or https:// base URLs")
         try:
             groups = re.compile(self.score_pattern).groups
         except re.error as err:

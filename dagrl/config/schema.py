@@ -291,9 +291,6 @@ class ActorConfig(OptimConfig):
         super().__post_init__()
         _check(self.tensor_parallel_size > 0, "tensor_parallel_size must be > 0")
         _check(self.sequence_parallel_size > 0, "sequence_parallel_size must be > 0")
-        _check(self.model_parallel_size == 1 or not self.lora.rank,
-               "tensor_parallel_size / sequence_parallel_size > 1 with lora.rank > 0 is not "
-               "supported (peft wraps the linears the tensor-parallel plan shards)")
         _check(self.model_parallel_size == 1 or not self.compile,
                "tensor_parallel_size / sequence_parallel_size > 1 with compile=true is not "
                "supported yet")
@@ -621,23 +618,17 @@ class Config:
 
 
 def _check_multi_turn(cfg: Config) -> None:
-    """rollout.multi_turn and the layouts it does not support yet: its gapped masks and extra
-    fields (response_attention_mask, turn_scores) are not carried by the async buffer, the
-    tensor/sequence-parallel replica broadcast or another policy's batch view."""
+    """rollout.multi_turn and what does not compose with it. Its gapped masks and extra fields
+    (response_attention_mask, turn_scores) travel with every move (the replica broadcast of
+    tensor/sequence parallelism included) and through another policy's batch view; model
+    rewards read whole episodes (roles/model_reward.py)."""
     if not cfg.rollout.multi_turn.enable:
         return
-    a = cfg.actor
-    _check(not cfg.is_async, "rollout.multi_turn with trainer.mode=async is not supported yet; "
-                             "set trainer.mode=sync")
-    _check(a.model_parallel_size == 1,
-           f"rollout.multi_turn with actor.tensor_parallel_size ({a.tensor_parallel_size}) or "
-           f"actor.sequence_parallel_size ({a.sequence_parallel_size}) > 1 is not supported "
-           "yet; set both to 1")
-    _check(not cfg.models, f"rollout.multi_turn with `models` ({', '.join(sorted(cfg.models))}) "
-                           "is not supported yet; drop `models`")
-    _check(cfg.reward.source == "rule",
-           f"rollout.multi_turn with reward.source={cfg.reward.source} is not supported yet "
-           "(rule rewards or an environment score the episodes); set reward.source=rule")
+    mt = cfg.rollout.multi_turn
+    _check(not (mt.environment and cfg.reward.source != "rule"),
+           f"rollout.multi_turn.environment ({mt.environment}) scores its episodes itself "
+           f"(turn_scores), so a reward.source={cfg.reward.source} would be a second reward of "
+           "the same episode; set reward.source=rule or drop the environment")
     _check(cfg.algorithm.adv_estimator != "optimal_token_baseline",
            "algorithm.adv_estimator=optimal_token_baseline aligns responses by column, which "
            "multi-turn masks (tool tokens in the gaps) break; use tir_optimal_token_baseline")
@@ -653,10 +644,6 @@ def _check_async(cfg: Config) -> None:
                              f"training run on different workers), got {t.n_workers}")
     # Whether rollout.backend can serve async mode (take each new policy's weights, and be
     # built on the rollout ranks alone) is the backend's own check (RolloutBackend.check_config).
-    _check(not (t.val_every or t.val_before_train),
-           "trainer.mode=async does not validate yet: set trainer.val_every=0 and "
-           "trainer.val_before_train=false")
-    _check(cfg.profiler.enable is False, "trainer.mode=async does not run the profiler yet")
     a = cfg.actor
     _check(a.model_parallel_size == 1,
            f"trainer.mode=async with actor.tensor_parallel_size ({a.tensor_parallel_size}) or "
@@ -671,7 +658,3 @@ def _check_async(cfg: Config) -> None:
            f"trainer.mode=async with `models` ({', '.join(sorted(cfg.models))}) is not "
            "supported yet (extra policies are sharded over every rank); drop `models` or set "
            "trainer.mode=sync")
-    _check(cfg.reward.source == "rule",
-           f"trainer.mode=async with reward.source={cfg.reward.source} is not supported yet "
-           "(the reward model / judge node is not placed on the rollout side); set "
-           "reward.source=rule or trainer.mode=sync")

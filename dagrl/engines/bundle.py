@@ -50,7 +50,7 @@ from dagrl.engines.reward_model import RewardModelEngine, load_reward_model
 from dagrl.engines.sharding import checkpoint_activations, compile_layers, shard_model
 from dagrl.envs import load_environment
 from dagrl.rewards.manager import RewardManager
-from dagrl.rollout import RolloutEngine, build_rollout, model_rollout
+from dagrl.rollout import RolloutEngine, build_rollout, judge_rollout
 from dagrl.rollout.multi_turn import MultiTurnRollout
 from dagrl.rollout.sampling import logprob_temperature
 from dagrl.tools import load_tools
@@ -94,9 +94,24 @@ class Engines:
         (`weight_sink`). Returns the seconds spent."""
         if self.actor is None or self.synced_version == self.actor.version:
             return 0.0
-        sink = self.weight_sink if self.weight_sink is not None else self.rollout
+        seconds = self._load_weights(self.weight_sink if self.weight_sink is not None
+                                     else self.rollout)
+        self.synced_version = self.actor.version
+        return seconds
+
+    def refresh_own_rollout(self) -> float:
+        """An async trainer rank's own rollout engine (it validates with it, as a sync rank
+        does): the actor's current weights, when it holds older ones. The update's weights went
+        to the rollout ranks, not here, so this is one more gather, at validation steps only
+        (collective over the trainer ranks)."""
+        if (self.weight_sink is None or self.rollout is None or self.actor is None
+                or self.rollout.weights_version == self.actor.version):
+            return 0.0
+        return self._load_weights(self.rollout)
+
+    def _load_weights(self, sink) -> float:
         if getattr(sink, "shared", False):   # generates with the actor's own weights
-            sink.weights_version = self.synced_version = self.actor.version
+            sink.weights_version = self.actor.version
             return 0.0
         start = time.perf_counter()
         weights = self.actor.full_weights()
@@ -105,7 +120,6 @@ class Engines:
         else:
             for _ in weights:   # still take part in every all-gather
                 pass
-        self.synced_version = self.actor.version
         return time.perf_counter() - start
 
 
@@ -250,23 +264,26 @@ class _Build:
         return self.shard(ref, "ref")
 
     def reward_model(self) -> RewardModelEngine:
-        """FSDP2 / HSDP over the workers (no tp/sp), never trained."""
+        """FSDP2 / HSDP over the side's workers (no tp/sp), never trained."""
         rm = self.cfg.reward_model
         model = load_reward_model(rm.path, rm.dtype, self.device,
                                   self.cfg.model.attn_implementation)
         return RewardModelEngine(
             shard_model(model, self.layout.side_size, self.device.type,
-                        self.layout.fsdp_shard_size),
+                        self.layout.fsdp_shard_size, group=self.shard_group),
             load_tokenizer(rm.path), micro_batch_size=rm.micro_batch_size,
             max_length=rm.max_length, device=self.device)
 
     def judge(self) -> Judge:
-        """A whole copy per rank in an in-process rollout engine."""
+        """A whole copy per rank in an in-process rollout engine, or servers serving it."""
         j = self.cfg.judge
         tokenizer = load_tokenizer(j.path, j.gguf_file)
-        model = load_model(j.path, j.gguf_file, j.dtype, self.device,
-                           self.cfg.model.attn_implementation).eval()
-        engine = model_rollout(j.backend, model, eos_token_id=tokenizer.eos_token_id,
+
+        def load() -> torch.nn.Module:
+            return load_model(j.path, j.gguf_file, j.dtype, self.device,
+                              self.cfg.model.attn_implementation).eval()
+
+        engine = judge_rollout(j, load, eos_token_id=tokenizer.eos_token_id,
                                pad_token_id=tokenizer.pad_token_id)
         return Judge(j, engine, tokenizer)
 

@@ -21,8 +21,6 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import torch.distributed as dist
-
 from dagrl.config.schema import Config
 from dagrl.dag.planner import Task
 from dagrl.dag.spec import GraphSpec
@@ -41,13 +39,13 @@ class StepObserver:
     """One worker's per-task measurements. `engines` supplies the model size for FLOPs."""
 
     def __init__(self, cfg: Config, graph: GraphSpec, engines, rank: int, world_size: int,
-                 device, cpu_group: dist.ProcessGroup | None = None,
-                 estimated_peak_gb: float | None = None) -> None:
-        """`estimated_peak_gb`: the memory estimate's peak per rank (dagrl plan --memory),
-        logged beside the measured peaks as memory/estimated_peak_gb."""
-        self.rank, self.world_size, self.device = rank, world_size, device
+                 device, estimated_peak_gb: float | None = None) -> None:
+        """`rank`: the global rank (its trace's name); `world_size`: the ranks whose FLOPs a
+        step's reduced metrics hold (the side's). `estimated_peak_gb`: the memory estimate's
+        peak per rank (dagrl plan --memory), logged beside the measured peaks as
+        memory/estimated_peak_gb."""
+        self.world_size, self.device = world_size, device
         self.estimated_peak_gb = estimated_peak_gb
-        self.cpu_group = cpu_group
         self.profiler = TaskProfiler(cfg.profiler, graph.roles, rank, device,
                                      Path(cfg.trainer.run_dir))
         self.memory = NodeMemory(device)
@@ -90,8 +88,7 @@ class StepObserver:
             metrics.add_sum("perf/flops", flops * batch_tokens(batch))
 
     def finish_step(self, step: int, result: dict[str, float]) -> dict[str, float]:
-        """Derived metrics of a reduced step; writes the traces after the last profiled step
-        (collective: every rank calls it)."""
+        """Derived metrics of a reduced step."""
         out = dict(result)
         if self.estimated_peak_gb is not None:
             out["memory/estimated_peak_gb"] = self.estimated_peak_gb
@@ -108,7 +105,6 @@ class StepObserver:
                 out["perf/tflops_per_device"] = achieved
                 if self.peak_tflops:
                     out["perf/mfu"] = achieved / self.peak_tflops
-        self.profiler.finish(step, self.cpu_group, self.world_size > 1)
         return dict(sorted(out.items()))
 
 

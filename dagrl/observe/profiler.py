@@ -7,10 +7,10 @@ With `profiler.enable=true`, every rank in `profiler.ranks` records the tasks of
 operators, kernels and collectives (`gloo:*`, `nccl:*`, `record_param_comms`) under them; a
 `memory` counter track holds host RSS and device peak memory at each task's end.
 
-After the last profiled step, each recording rank writes `RUN_DIR/profile/rank<r>.trace.json`,
-and the traces are gathered to rank 0 over the CPU group (so no shared filesystem is needed),
-which writes `RUN_DIR/profile/trace.json`: one process track per rank, on one clock. Open it in
-https://ui.perfetto.dev or chrome://tracing.
+After the last profiled step, each recording rank writes `RUN_DIR/profile/rank<r>.trace.json`;
+at the end of the run the traces are gathered to rank 0 over the CPU group (so no shared
+filesystem is needed), which writes `RUN_DIR/profile/trace.json`: one process track per rank,
+on one clock. Open it in https://ui.perfetto.dev or chrome://tracing.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def span_name(task: Task) -> str:
 
 
 class TaskProfiler:
-    """One rank's recorder. `task()` brackets a task; `finish()` is collective after a step."""
+    """One rank's recorder (`rank`: its global rank). `task()` brackets a task, `end_step()`
+    follows each step, `merge()` is collective at the end of the run."""
 
     def __init__(self, cfg: ProfilerConfig, graph_roles: set[str], rank: int,
                  device: torch.device, run_dir: Path) -> None:
@@ -56,6 +57,7 @@ class TaskProfiler:
         self.events: list[dict] = []
         self.base_ns: int | None = None     # the clock origin of this rank's trace
         self.device_properties: list = []
+        self.trace: dict | None = None      # this rank's, once its last profiled step is done
         self._recording = False
 
     def records(self, step: int, task: Task) -> bool:
@@ -115,25 +117,29 @@ class TaskProfiler:
         self.events.append({"ph": "C", "name": "memory", "pid": os.getpid(), "tid": 0,
                             "ts": ts, "args": values})
 
-    def finish(self, step: int, group: dist.ProcessGroup | None, distributed: bool) -> Path | None:
-        """Call on every rank after each step. After the last profiled step: write this rank's
-        trace, gather all to rank 0 and write the merged one (returned on rank 0)."""
-        if step != self.last_step:
+    def end_step(self, step: int) -> None:
+        """Call after each step. After the last profiled step: write this rank's trace."""
+        if step != self.last_step or not (self.records_rank and self.events):
+            return
+        self.trace = {"traceEvents": self.events, "baseTimeNanoseconds": self.base_ns,
+                      "deviceProperties": self.device_properties, "displayTimeUnit": "ms",
+                      "dagrl": {"rank": self.rank, "steps": list(self.cfg.steps),
+                                "roles": list(self.cfg.roles)}}
+        self.events = []
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        _write_json(self.out_dir / f"rank{self.rank}.trace.json", self.trace)
+
+    def merge(self, group: dist.ProcessGroup | None, distributed: bool) -> Path | None:
+        """Collective over every rank, once, at the end of the run (an async run's two sides
+        finish their profiled steps at different times): gather the traces to rank 0, which
+        writes the merged one (returned on rank 0)."""
+        if not self.cfg.enable:
             return None
-        mine = None
-        if self.records_rank and self.events:
-            mine = {"traceEvents": self.events, "baseTimeNanoseconds": self.base_ns,
-                    "deviceProperties": self.device_properties, "displayTimeUnit": "ms",
-                    "dagrl": {"rank": self.rank, "steps": list(self.cfg.steps),
-                              "roles": list(self.cfg.roles)}}
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            _write_json(self.out_dir / f"rank{self.rank}.trace.json", mine)
         if distributed:
             gathered = [None] * dist.get_world_size(group) if self.rank == 0 else None
-            dist.gather_object(mine, gathered, dst=0, group=group)
+            dist.gather_object(self.trace, gathered, dst=0, group=group)
         else:
-            gathered = [mine]
-        self.events = []
+            gathered = [self.trace]
         if self.rank != 0:
             return None
         traces = [t for t in gathered if t is not None]

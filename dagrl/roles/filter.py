@@ -1,7 +1,9 @@
 """DAPO's dynamic sampling (`filter`): keep the groups whose rewards vary, generating again on
 fresh prompts (`ctx.more()`) until the batch is full. Every rank takes the same decisions from
-globally summed counts, so all ranks loop the same number of times; the balance task before
-the update evens out what each rank kept.
+globally summed counts (over the node's ranks), so they loop the same number of times; the
+balance task before the update evens out what each rank kept. In trainer.mode=async the filter
+runs on the rollout side (it reads no trained weights) and its fresh prompts are generated with
+the weights the rollout ranks hold then, within the staleness bound like the rest.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ def _count_groups(batch: Batch) -> int:
     return len(set(batch["uid"].tolist())) if len(batch) else 0
 
 
-@register_role("filter", async_refusal="DAPO's dynamic sampling regenerates on demand inside "
-                                        "the training step")
+# A follower: in trainer.mode=async it runs on the rollout ranks, where `ctx.more()` can read
+# and generate fresh prompts (the trainer ranks read none).
+@register_role("filter", side="follower")
 def filter_groups(ctx: NodeContext, batch: Batch) -> Batch:
     """DAPO dynamic sampling: keep groups whose rewards vary (a group that is all right or all
     wrong has zero advantage and only dilutes the batch); generate again on fresh prompts until

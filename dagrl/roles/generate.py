@@ -91,6 +91,8 @@ def _multi_turn(ctx: NodeContext, batch: Batch, params: SamplingParams) -> Batch
     batch["rollout_logprobs"] = out.logprobs
     if agent.env_factory is not None:
         batch["turn_scores"] = out.turn_scores
+    if out.token_versions is not None:   # the async rollout side: who drew each policy token
+        batch["token_versions"] = out.token_versions
     n = len(batch)
     lengths = out.response_mask.sum(-1)
     observed = out.attention_mask.sum(-1) - lengths

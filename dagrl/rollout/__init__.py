@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from dagrl.config.model_rewards import JudgeConfig
 from dagrl.config.schema import Config
 
 # The built-in backends register themselves when their modules are imported.
@@ -58,6 +59,17 @@ def model_rollout(backend: str, model: torch.nn.Module, *, eos_token_id: int, pa
         stop_token_ids=stop_token_ids)
 
 
+def judge_rollout(judge: JudgeConfig, load_model: Callable[[], torch.nn.Module], *,
+                  eos_token_id: int, pad_token_id: int) -> RolloutEngine:
+    """The frozen engine judge.backend names for the judge (engines/judge.py): over the judge
+    model loaded in this process, or, for a backend with weights of its own (servers), built
+    by that backend's `for_judge`."""
+    if judge.backend not in ROLLOUT_BACKENDS:
+        raise ValueError(ROLLOUT_BACKENDS.unknown_message(judge.backend))
+    return ROLLOUT_BACKENDS.get(judge.backend).for_judge(
+        judge, load_model, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+
+
 def build_rollout(cfg: Config, load_model: Callable[[], torch.nn.Module], device: torch.device,
                   *, eos_token_id: int, pad_token_id: int,
                   actor_model: torch.nn.Module | None = None,
@@ -77,4 +89,4 @@ def build_rollout(cfg: Config, load_model: Callable[[], torch.nn.Module], device
 __all__ = ["MODEL_BACKENDS", "ROLLOUT_BACKENDS", "AutoRollout", "GenerationOutput", "HFRollout",
            "NativeRollout", "RolloutBackend", "RolloutBuild", "RolloutEngine", "SamplingParams",
            "ServerRollout", "ServerSettings", "VLLMRollout", "VLLMSettings", "build_rollout",
-           "check_rollout_config", "model_rollout", "rollout_backend"]
+           "check_rollout_config", "judge_rollout", "model_rollout", "rollout_backend"]

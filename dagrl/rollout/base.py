@@ -30,6 +30,7 @@ from dagrl.config.loader import ConfigError
 from dagrl.rollout.sampling import SamplingParams
 
 if TYPE_CHECKING:
+    from dagrl.config.model_rewards import JudgeConfig
     from dagrl.config.schema import Config
 
 
@@ -94,7 +95,8 @@ class RolloutBackend:
     # of the policy exists.
     shares_actor_weights: ClassVar[bool] = False
     # Its engine joins torch.distributed when it starts: building it is collective, so every
-    # rank must build one at the same point (the rollout node on every rank).
+    # rank must build one at the same point (the rollout node on every rank; in async mode the
+    # trainer ranks build one too, which they validate with).
     joins_process_group: ClassVar[bool] = False
     # It takes each new policy's weights (`update_weights`); False: its weights stay frozen.
     takes_weight_updates: ClassVar[bool] = True
@@ -110,14 +112,11 @@ class RolloutBackend:
         `ConfigError` naming the key. Runs when the config is loaded and when the graph is
         planned, before any model loads. Subclasses add their own refusals and call super()."""
         name = cfg.rollout.backend
-        if cfg.is_async and not (cls.takes_weight_updates and not cls.joins_process_group):
-            # Async rollout ranks receive every new policy version and build their engine
-            # apart from the trainer ranks.
-            why = ("its engine joins the process group on every rank when it starts, and only "
-                   "the rollout ranks build one" if cls.joins_process_group
-                   else "it cannot take the new weights the trainer ranks send")
-            raise ConfigError(f"trainer.mode=async with rollout.backend={name}: {why}; use an "
-                              "in-process backend (auto, native, hf) or trainer.mode=sync")
+        if cfg.is_async and not cls.takes_weight_updates:
+            # Async rollout ranks generate with every new policy version the trainer sends.
+            raise ConfigError(f"trainer.mode=async with rollout.backend={name}: it cannot take "
+                              "the new weights the trainer ranks send; use a backend that "
+                              "does, or trainer.mode=sync")
         if cfg.rollout.multi_turn.enable and not cls.multi_turn:
             raise ConfigError(f"rollout.multi_turn.enable with rollout.backend={name}: this "
                               "backend cannot run the multi-turn agent loop")
@@ -129,6 +128,14 @@ class RolloutBackend:
         return cls.over_model(build.load_model(), eos_token_id=build.eos_token_id,
                               pad_token_id=build.pad_token_id,
                               stop_token_ids=build.stop_token_ids)
+
+    @classmethod
+    def for_judge(cls, judge: JudgeConfig, load_model: Callable[[], torch.nn.Module], *,
+                  eos_token_id: int, pad_token_id: int) -> RolloutEngine:
+        """The frozen engine a judge grades with (engines/judge.py): by default over the judge
+        model loaded in this process (`load_model`); a backend with weights of its own
+        overrides this."""
+        return cls.over_model(load_model(), eos_token_id=eos_token_id, pad_token_id=pad_token_id)
 
     @classmethod
     def over_model(cls, model: torch.nn.Module, *, eos_token_id: int, pad_token_id: int,
@@ -184,6 +191,14 @@ class ModelCopy(RolloutBackend):
         self.pad_token_id = pad_token_id
         self.stop_token_ids = stop_tokens(eos_token_id, stop_token_ids)
         self.weights_version = 0
+
+    @classmethod
+    def for_judge(cls, judge: JudgeConfig, load_model: Callable[[], torch.nn.Module], *,
+                  eos_token_id: int, pad_token_id: int) -> RolloutEngine:
+        """The frozen engine a judge grades with (engines/judge.py): by default over the judge
+        model loaded in this process (`load_model`); a backend with weights of its own
+        overrides this."""
+        return cls.over_model(load_model(), eos_token_id=eos_token_id, pad_token_id=pad_token_id)
 
     @classmethod
     def over_model(cls, model: torch.nn.Module, *, eos_token_id: int, pad_token_id: int,

@@ -16,6 +16,8 @@ The response [B, R] interleaves the policy's tokens and the observation tokens:
     attention_mask     1 on every token (what teacher-forced passes read)
     logprobs           the rollout's log-probs at the policy's tokens, 0 elsewhere
     turn_scores        an environment's reward at the last token of the turn it rewards
+    token_versions     (an engine that reports them: the async rollout side) the policy
+                       version that drew each policy token, -1 elsewhere
 
 Turn k of sample b samples with the seed mix(sample_seed[b], k): draws stay the sample's own
 whatever its batch, and differ from turn to turn.
@@ -61,6 +63,7 @@ class MultiTurnOutput:
     format_errors: torch.Tensor    # [B] calls that could not be parsed
     calls_by_tool: Counter = field(default_factory=Counter)
     first_error: str = ""          # one failed call's message, for the log
+    token_versions: torch.Tensor | None = None   # [B, R] int64, see the module docstring
 
 
 @dataclass
@@ -72,6 +75,7 @@ class _Episode:
     response: list[int] = field(default_factory=list)
     policy: list[float] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
     rewards: dict[int, float] = field(default_factory=dict)
     turns: int = 0
     calls: int = 0
@@ -84,12 +88,15 @@ class _Episode:
         return self.budget - len(self.response)
 
     def append(self, tokens: Sequence[int], policy: bool,
-               logprobs: Sequence[float] | None = None) -> None:
+               logprobs: Sequence[float] | None = None,
+               versions: Sequence[int] | None = None) -> None:
         tokens = list(tokens)[:self.left()]
         self.response += tokens
         self.policy += [float(policy)] * len(tokens)
         self.logprobs += list(logprobs[:len(tokens)]) if logprobs is not None else \
             [0.0] * len(tokens)
+        self.versions += list(versions[:len(tokens)]) if versions is not None else \
+            [-1] * len(tokens)
 
 
 class MultiTurnRollout:
@@ -114,6 +121,7 @@ class MultiTurnRollout:
                          for tid in tokenizer(s, add_special_tokens=False)["input_ids"]}
         self.end_tokens = set(engine.stop_token_ids) - content_stops
         self.stop_tokens = set(engine.stop_token_ids)
+        self.reports_versions = False   # the engine's last output carried token_versions
 
     @staticmethod
     def format_stop_token_ids(tokenizer, fmt: str) -> list[int]:
@@ -136,6 +144,7 @@ class MultiTurnRollout:
         """One episode per row; `rows[i]` holds prompt (messages), data_source, ground_truth,
         extra_info; sample_seed: [B]."""
         episodes = [self._start(row, i) for i, row in enumerate(rows)]
+        self.reports_versions = False
         first_error: list[str] = []
         calls_by_tool: Counter = Counter()
         for turn in range(self.cfg.max_turns):
@@ -189,7 +198,11 @@ class MultiTurnRollout:
             e = episodes[i]
             left = e.left()
             tokens = out.responses[row, :lengths[row]].tolist()[:left]
-            e.append(tokens, policy=True, logprobs=out.logprobs[row, :len(tokens)].tolist())
+            versions = (out.token_versions[row, :len(tokens)].tolist()
+                        if out.token_versions is not None else None)
+            e.append(tokens, policy=True, logprobs=out.logprobs[row, :len(tokens)].tolist(),
+                     versions=versions)
+            self.reports_versions = out.token_versions is not None
             e.turns += 1
             stopped = bool(tokens) and tokens[-1] in self.stop_tokens
             ends = stopped and tokens[-1] in self.end_tokens
@@ -255,6 +268,7 @@ class MultiTurnRollout:
         prompt_mask = torch.zeros(b, p, dtype=torch.long)
         responses = torch.full((b, r), self.pad_token_id, dtype=torch.long)
         policy, attention, logprobs, scores = (torch.zeros(b, r) for _ in range(4))
+        versions = torch.full((b, r), -1, dtype=torch.long)
         for i, e in enumerate(episodes):
             n = len(e.response)
             prompt_ids[i, p - len(e.prompt):] = torch.tensor(e.prompt, dtype=torch.long)
@@ -263,6 +277,7 @@ class MultiTurnRollout:
             policy[i, :n] = torch.tensor(e.policy)
             attention[i, :n] = 1.0
             logprobs[i, :n] = torch.tensor(e.logprobs)
+            versions[i, :n] = torch.tensor(e.versions, dtype=torch.long)
             for position, reward in e.rewards.items():
                 scores[i, position] += reward
 
@@ -274,4 +289,5 @@ class MultiTurnRollout:
             policy.to(device), attention.to(device), logprobs.to(device), scores.to(device),
             [e.final_text for e in episodes], per_sample("turns"), per_sample("calls"),
             per_sample("errors"), per_sample("format_errors"), calls_by_tool,
-            first_error[0] if first_error else "")
+            first_error[0] if first_error else "",
+            versions.to(device) if self.reports_versions else None)

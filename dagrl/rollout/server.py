@@ -23,14 +23,15 @@ import json
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from dagrl.config.loader import ConfigError
-from dagrl.config.schema import Config
+from dagrl.config.model_rewards import JudgeConfig
+from dagrl.config.schema import Config, ServerConfig
 from dagrl.rollout.base import (
     GenerationOutput,
     RolloutBackend,
@@ -115,6 +116,17 @@ class ServerRollout(RolloutBackend):
     def from_config(cls, cfg: Config, build: RolloutBuild) -> RolloutEngine:
         return cls(ServerSettings.from_config(cfg), eos_token_id=build.eos_token_id,
                    pad_token_id=build.pad_token_id, stop_token_ids=build.stop_token_ids)
+
+    @classmethod
+    def for_judge(cls, judge: JudgeConfig, load_model: Callable[[], torch.nn.Module], *,
+                  eos_token_id: int, pad_token_id: int) -> RolloutEngine:
+        """Servers serving the judge model (judge.server_urls): nothing loads here. A judge is
+        frozen, so a server (which takes no weights from dagrl) fits it as it is."""
+        s = ServerConfig()   # judge.server_* names the servers; the rest keeps the defaults
+        settings = ServerSettings(tuple(u.rstrip("/") for u in judge.server_urls),
+                                  judge.server_model, s.timeout_s, s.max_retries,
+                                  s.max_concurrency)
+        return cls(settings, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
 
     def __init__(self, settings: ServerSettings, *, eos_token_id: int, pad_token_id: int,
                  stop_token_ids: Sequence[int] = ()) -> None:

@@ -144,6 +144,17 @@ def _check_tensor_parallel(size: int, device: torch.device) -> None:
                      "prompts (designed in docs/architecture.md, not built); set 1")
 
 
+def _unsplit_prefills(max_model_len: int) -> dict:
+    """On the host no prefill may be split over scheduler steps. When vLLM splits one (its token
+    budget per step ran out mid-prompt), it discards the token sampled for the partial prompt
+    and rewinds that request's seeded generator by its offset, which a CPU generator does not
+    have: "RuntimeError: CPU Generator does not use offset" (seen with 256 multi-turn requests
+    of ~20 tokens against the default budget of 4096). A budget of max_num_seqs whole contexts
+    per step never splits one; max_num_seqs is capped so the budget stays ~128k tokens."""
+    seqs = max(8, min(256, 2**17 // max_model_len))
+    return {"max_num_seqs": seqs, "max_num_batched_tokens": seqs * max_model_len}
+
+
 def _executor_options() -> dict:
     """With several dagrl workers, each holds its own engine (rollout TP 1) and vLLM joins the
     process group the launcher already built (its `external_launcher` executor, as verl runs
@@ -210,6 +221,7 @@ class VLLMRollout(RolloutBackend):
             _check_cpu_head_size(settings.model_path)
             _keep_cpu_linear_weights()
             host_options["kv_cache_memory_bytes"] = int(settings.cpu_kv_cache_gb * 2**30)
+            host_options.update(_unsplit_prefills(settings.max_model_len))
         self.pad_token_id = pad_token_id
         self.stop_token_ids = stop_tokens(eos_token_id, stop_token_ids)
         self.weights_version = 0

@@ -20,9 +20,10 @@ from dagrl.dag.planner import RankPlan, Task
 from dagrl.device import HOST_BACKEND, is_host
 from dagrl.runtime.distributed import DistContext
 
-# The engines each async side builds: the rollout side generates with its own copy, scores and
-# (when ref_logprob is placed there) runs the frozen reference; the trainer side trains.
-ROLLOUT_SIDE_ENGINES = frozenset({"rollout", "reward", "ref"})
+# The engines each async side builds: the rollout side generates with its own copy, scores (rule
+# scorers, a reward model or a judge) and (when ref_logprob is placed there) runs the frozen
+# reference; the trainer side trains.
+ROLLOUT_SIDE_ENGINES = frozenset({"rollout", "reward", "reward_model", "judge", "ref"})
 
 
 @dataclass

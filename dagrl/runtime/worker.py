@@ -114,11 +114,18 @@ class Worker:
         self.plan = plans[self.rank]
         self.side, self.tasks = self.placement.side, self.placement.tasks
         self.is_lead = self.rank == self.side.lead and self.placement.trains
-        validates = t.val_every > 0 or t.val_before_train
+        # The ranks that train validate (async: the trainer side, with a rollout engine of its
+        # own), each its share of the test split.
+        validates = (t.val_every > 0 or t.val_before_train) and self.placement.trains
         needed = self.placement.engines(engines_of(self.plan))
-        if validates:   # every rank validates its share of the test split
+        joins = rollout_backend(cfg).joins_process_group and self.world_size > 1
+        if validates:
             needed |= {"rollout", "reward"}
-        elif rollout_backend(cfg).joins_process_group and self.world_size > 1:
+        if joins and self.placement.kind == "trainer":
+            # Its engine joins the process group when it starts (a collective of every rank):
+            # an async trainer rank builds one too, and validates with it.
+            needed |= {"rollout"}
+        elif joins and self.placement.kind == "all" and not validates:
             _check_rollout_on_every_rank(plans, cfg.rollout.backend)
         # The data first: a bad file is reported before minutes of model loading.
         tokenizer, self.loader, val_source = self._open_data(validates)
@@ -129,8 +136,8 @@ class Worker:
         if self.loader is not None and self.loader.dropped_per_epoch:
             self.log(f"data: {self.loader.dropped_per_epoch} prompt(s) per epoch do not fill a "
                      f"batch of {cfg.data.train_batch_size} and are dropped (data.tail=drop)")
-        self.validator = (Validator(cfg, val_source, self.engines, self.rank, self.world_size,
-                                    self.device) if validates else None)
+        self.validator = (Validator(cfg, val_source, self.engines, self.side.index,
+                                    self.side.size, self.device) if validates else None)
         self.checkpoint_root = Path(t.checkpoint_dir or self.run_dir / "checkpoints")
         # The ranks that hold the trained models checkpoint them (async: the trainer side).
         trainers = self.side if self.placement.trains else self.placement.peer
@@ -140,9 +147,8 @@ class Worker:
                                          process_group=trainers.group)
         estimate = self._estimate_memory(needed, runtime_rss)
         # Per-task timing, memory, FLOPs and the profiler (dagrl/observe/observer.py).
-        self.observer = StepObserver(cfg, self.graph, self.engines, self.side.index,
-                                     self.side.size, self.device, self.side.cpu_group,
-                                     estimated_peak_gb=estimate or None)
+        self.observer = StepObserver(cfg, self.graph, self.engines, self.rank, self.side.size,
+                                     self.device, estimated_peak_gb=estimate or None)
         self._open_streams()
         self.logger: RunLogger | None = None   # the lead's, created when training starts
         self.resumed_from: Path | None = None  # the checkpoint resume() loaded
@@ -223,6 +229,8 @@ class Worker:
             self.engines.rollout = VersionedRollout(
                 self.engines.rollout, chunk_tokens=r.partial_chunk_tokens if r.partial else 0,
                 between_chunks=self.source.between_chunks if r.partial else None)
+            if self.engines.agent is not None:   # episodes' turns go through it too
+                self.engines.agent.engine = self.engines.rollout
             self.sink = GroupSink(p.peer.ranks, self.dist.cpu_group, self.source)
         else:
             self.source = GroupSource(p.peer.ranks, self.dist.cpu_group, device, staleness)
@@ -249,6 +257,7 @@ class Worker:
         began = time.perf_counter()
         batch = self.source.next_batch(step, metrics)
         batch = self.run_tasks(self.tasks, batch, step, metrics)
+        self.observer.profiler.end_step(step)
         if self.placement.trains:
             replicated = self.tasks and self.tasks[-1].group > 1
             # A replica's samples count once, not on each of its ranks.
@@ -365,6 +374,7 @@ class Worker:
             self.source.end()
             if self.engines.weight_sink is not None:
                 self.engines.weight_sink.flush()
+        self.observer.profiler.merge(self.dist.cpu_group, self.dist.distributed)
         if self.placement.kind != "all":   # an async rollout rank returns the trainer's record
             history = self.dist.broadcast_object(history, src=trainer_lead)
         return history
@@ -376,7 +386,7 @@ class Worker:
                                     start_step=start)
         history = []
         try:
-            if t.val_before_train and start == 0:
+            if t.val_before_train and start == 0 and self.validator is not None:
                 self._log(0, self.validate(0))
             for step in range(start + 1, t.total_steps + 1):
                 metrics = self.run_step(step)
@@ -414,6 +424,9 @@ class Worker:
             self.logger.log(step, metrics)
 
     def validate(self, step: int) -> dict[str, float]:
+        """Every rank of the side scores its share of the test split with the current weights
+        (an async trainer side too: its own rollout engine, refreshed here)."""
+        self.engines.refresh_own_rollout()
         metrics = self.validator.run()
         if self.validator.samples:      # rank 0, logging.val_generations > 0
             append_generations(self.run_dir / GENERATIONS_FILE, step, self.validator.samples)
