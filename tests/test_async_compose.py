@@ -24,6 +24,9 @@ from dagrl.train import load_cli_config
 from tests.dist_helpers import free_port
 from tests.test_async_runs import FAST, metrics
 
+# Minutes of runs: with the composition matrix (`pytest -m composition`, .ci/run).
+pytestmark = pytest.mark.composition
+
 ROOT = Path(__file__).parents[1]
 COMPARED = ["reward/mean", "reward/std", "response/length/mean", "actor/pg_loss",
             "actor/grad_norm"]

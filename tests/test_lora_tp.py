@@ -130,6 +130,7 @@ def test_ray_lora_tensor_parallel_matches_one_worker(tmp_path, lora_one_worker):
     assert_same_run(metrics(run_dir), lora_one_worker)
 
 
+@pytest.mark.composition   # a 2-worker run: with the matrix (pytest -m composition)
 def test_torchrun_lora_sequence_parallel_matches_one_worker(tmp_path, lora_one_worker):
     run_dir = tmp_path / "sp"
     torchrun(run_dir, "actor.sequence_parallel_size=2", *LORA)

@@ -82,6 +82,7 @@ def one_worker_tools(tmp_path_factory, dense_tools):
     return metrics(run_dir)
 
 
+@pytest.mark.composition   # 2-worker runs: with the matrix (pytest -m composition)
 @pytest.mark.parametrize("layout", ["actor.tensor_parallel_size=2",
                                     "actor.sequence_parallel_size=2"], ids=["tp2", "sp2"])
 def test_tool_episodes_under_model_parallelism_match_one_worker(tmp_path, one_worker_tools,
@@ -94,6 +95,7 @@ def test_tool_episodes_under_model_parallelism_match_one_worker(tmp_path, one_wo
                     extra=[*AGENT, "tools/calls_mean"])
 
 
+@pytest.mark.composition   # 2-worker runs: with the matrix (pytest -m composition)
 def test_environment_episodes_with_ppo_under_sequence_parallelism_match_one_worker(tmp_path):
     one = tmp_path / "one"
     launch(config(one, *ENVIRONMENT))
@@ -139,6 +141,7 @@ def test_a_reward_model_scores_whole_episodes_tool_results_included(tmp_path):
     assert batch["token_level_scores"][rows, last].tolist() == pytest.approx(expected.tolist())
 
 
+@pytest.mark.composition   # 2-worker runs: with the matrix (pytest -m composition)
 @pytest.mark.parametrize("source", ["reward_model", "judge"])
 def test_model_rewards_of_tool_episodes_on_two_workers(tmp_path, source):
     from dagrl.engines.models import write_tiny_model
