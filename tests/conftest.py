@@ -27,3 +27,15 @@ def tiny_model(tiny_model_dir):
 @pytest.fixture(scope="session")
 def arith_files(tmp_path_factory):
     return make_arith(tmp_path_factory.mktemp("data") / "arith", seed=0)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The composition matrix's runs (marker `composition`, minutes) run only when the -m
+    expression names them: `-m vllm` alone must not start its vLLM runs (the default -m in
+    pyproject deselects them all)."""
+    if "composition" in (config.option.markexpr or ""):
+        return
+    runs = [item for item in items if item.get_closest_marker("composition")]
+    if runs:
+        config.hook.pytest_deselected(items=runs)
+        items[:] = [item for item in items if not item.get_closest_marker("composition")]
