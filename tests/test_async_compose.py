@@ -36,7 +36,7 @@ AGENT = [str(ROOT / "examples" / "tool_calc.yaml"), "data.train_batch_size=8",
          "algorithm.kl_loss_coef=0"]
 # Not the profiler here: with it an async trainer rank died at torch.profiler's stop (no Python
 # traceback; once in this test, twice in the composition matrix's 4-worker runs), an open bug
-# (issue 34's notes). The profiler's async merge is run by `dagrl train` checks in the notes.
+# (issue 34's notes), which would make this test flaky.
 FILTERED = ["algorithm.name=dapo", "reward.source=reward_model",
             "reward_model.path=builtin:tiny-digit-rm", "data.train_batch_size=8",
             "actor.mini_batch_size=8", "rollout.n=4", "trainer.total_steps=3"]

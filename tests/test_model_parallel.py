@@ -214,7 +214,7 @@ def test_padded_and_packed_rows_reach_attention_as_sequences_not_a_mask():
     ids = torch.randint(4, 48, (2, t // 2))
     for pack, want in ((False, [[(100, t)], [(0, t - 300)]]),
                        (True, [[(0, t - 100), (t - 100, 2 * t - 400)]])):
-        layout = _global_layout(ids, prompt_mask, ids, response_mask, pack)
+        layout = _global_layout(ids, prompt_mask, ids, response_mask, response_mask, pack)
         for rank in (0, 1):
             shard = shard_sequence(_Mesh(2, rank), *layout)
             assert shard.segments == want, (pack, rank)
@@ -222,7 +222,8 @@ def test_padded_and_packed_rows_reach_attention_as_sequences_not_a_mask():
             assert kwargs["attention_mask"] is None and kwargs[SEGMENTS_KWARG] == want
             assert all(v.numel() <= layout[0].numel() for v in kwargs.values()
                        if isinstance(v, torch.Tensor))
-    whole = _global_layout(ids, torch.ones_like(prompt_mask), ids, torch.ones(2, t // 2), False)
+    ones = torch.ones(2, t // 2)
+    whole = _global_layout(ids, torch.ones_like(prompt_mask), ids, ones, ones, False)
     assert SEGMENTS_KWARG not in shard_sequence(_Mesh(2, 0), *whole).model_kwargs()
     # a sequence with a hole in its attention (no layout makes one today) is refused, not
     # attended across
@@ -243,9 +244,9 @@ def test_config_and_model_checks_name_the_key():
         load_run_config(None, ["trainer.n_workers=2", "actor.tensor_parallel_size=3"])
     with pytest.raises(ConfigError, match="actor.sequence_parallel_size must be > 0"):
         load_run_config(None, ["actor.sequence_parallel_size=0"])
-    with pytest.raises(ConfigError, match="lora"):
-        load_run_config(None, ["trainer.n_workers=2", "actor.tensor_parallel_size=2",
-                               "actor.lora.rank=4"])
+    # LoRA composes with tensor parallelism (tests/test_lora_tp.py): accepted
+    load_run_config(None, ["trainer.n_workers=2", "actor.tensor_parallel_size=2",
+                           "actor.lora.rank=4"])
     config = tiny_model_config("tiny-qwen2", 48, 64, 2)        # 2 heads, 1 KV head
     check_tensor_parallel(config, 2)                           # KV head replicated
     with pytest.raises(ValueError, match=r"actor.tensor_parallel_size=4 must divide the "
