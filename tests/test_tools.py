@@ -1,14 +1,19 @@
 """Tools and environments: the calculator, the tool-call formats, argument checks, a user's tools
-and environments loaded by `file.py:name`, and the built-in guess_number environment."""
+and environments loaded by `file.py:name`, the built-in guess_number environment, and the `http`
+tool against a local service (the agentic bench's calculator service: test_bench_agentic.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import textwrap
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from dagrl.config.multi_turn import MultiTurnConfig
+from dagrl.config.loader import ConfigError
+from dagrl.config.multi_turn import HttpToolConfig, MultiTurnConfig
 from dagrl.envs import ENVIRONMENTS, load_environment, step
 from dagrl.rollout.chat import HermesFormat, TinyFormat
 from dagrl.tools import ToolError, load_tools, openai_schema
@@ -169,3 +174,56 @@ def test_a_users_environment_loads_from_a_file(tmp_path):
         load_environment(f"{path}:Broken")
     with pytest.raises(ValueError, match="unknown environment"):
         load_environment("no_such_env")
+
+
+class _Service(BaseHTTPRequestHandler):
+    """Answers by path, as web services do: a JSON result or error, plain text, a failure."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
+        arguments = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        status, kind, body = {
+            "/json": (200, "application/json", {"result": arguments["input"].upper()}),
+            "/refuse": (200, "application/json", {"error": "no results for that query"}),
+            "/text": (200, "text/plain", f"plain {arguments['input']}"),
+            "/fail": (500, "application/json", {"error": "the index is rebuilding"}),
+        }.get(self.path, (404, "text/plain", "not here"))
+        data = body.encode() if isinstance(body, str) else json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_the_http_tool_posts_its_arguments_and_reports_failures_as_tool_errors():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Service)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+
+    def call(path: str, url: str = "") -> str:
+        cfg = MultiTurnConfig(tools=["http"], tool_timeout_s=5.0,
+                              http=HttpToolConfig(url=url or base + path, name="search"))
+        tool = load_tools(["http"], cfg)["search"]
+        check_arguments(tool, {"input": "cats"})   # the default schema: one string, `input`
+        return asyncio.run(tool.call({"input": "cats"}))
+
+    try:
+        assert call("/json") == "CATS"
+        assert call("/text") == "plain cats"
+        for path, message in {"/refuse": "search: no results for that query",
+                              "/fail": "search: HTTP 500: the index is rebuilding",
+                              "/nowhere": "search: HTTP 404: not here"}.items():
+            with pytest.raises(ToolError, match=message):
+                call(path)
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(ToolError, match="search: cannot reach http://127.0.0.1:"):
+        call("", url=base + "/json")   # the server is gone
+    with pytest.raises(ConfigError, match="http.url"):
+        MultiTurnConfig(tools=["http"])
+    with pytest.raises(ConfigError, match="url must start with http"):
+        HttpToolConfig(url="ftp://example.org")

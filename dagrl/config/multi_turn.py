@@ -10,7 +10,7 @@ Tool and environment names are checked against their registries when the worker 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from dagrl.config.loader import ConfigError
 
@@ -41,6 +41,35 @@ class SandboxConfig:
         _check(self.max_output_chars > 0, "max_output_chars must be > 0")
 
 
+def _one_string_parameter() -> dict[str, Any]:
+    return {"type": "object",
+            "properties": {"input": {"type": "string", "description": "what to send"}},
+            "required": ["input"], "additionalProperties": False}
+
+
+@dataclass
+class HttpToolConfig:
+    """The `http` tool: a service that answers over HTTP (a search API, a remote code sandbox,
+    a retrieval server). A call POSTs its arguments, checked against `parameters`, as a JSON
+    object to `url`; the answer's body is the result (or its JSON `result` field), a JSON
+    `error` field or an HTTP error status is a failed call (dagrl/tools/http.py)."""
+    url: str = ""                   # http:// or https://, e.g. http://127.0.0.1:8000/search
+    name: str = "http"              # what the policy calls it (and the tool-call format names)
+    description: str = "Send a request to a web service and read its answer."
+    # JSON schema of the arguments object; the `tiny` format fills the first required one.
+    parameters: dict[str, Any] = field(default_factory=_one_string_parameter)
+    # Wall-clock limit of one call, connection included; 0: rollout.multi_turn.tool_timeout_s.
+    timeout_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(not self.url or self.url.startswith(("http://", "https://")),
+               f"url must start with http:// or https://, got {self.url!r}")
+        _check(bool(self.name), "name must not be empty")
+        _check(self.parameters.get("type") == "object",
+               "parameters must be a JSON schema with type: object (the arguments object)")
+        _check(self.timeout_s >= 0, "timeout_s must be >= 0 (0: tool_timeout_s)")
+
+
 @dataclass
 class MultiTurnConfig:
     # Off: one response per prompt (rollout.max_new_tokens tokens). On: a chat in which each
@@ -53,7 +82,7 @@ class MultiTurnConfig:
     max_turns: int = 4
     # Tokens one policy turn may generate; 0: whatever is left of rollout.max_new_tokens.
     max_tokens_per_turn: int = 0
-    # Tools the policy may call: built-in names (calculator, python) or a user's function,
+    # Tools the policy may call: built-in names (calculator, python, http) or a user's function,
     # `path/to/file.py:function` or `package.module:function` (dagrl/tools/base.py).
     tools: list[str] = field(default_factory=list)
     # How tool calls are written and parsed: `hermes`, `<tool_call>{"name": ..., "arguments":
@@ -72,6 +101,8 @@ class MultiTurnConfig:
     # A tool's result is cut to this many characters before it enters the chat.
     max_tool_output_chars: int = 512
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    # The service the `http` tool calls (its URL, name and argument schema).
+    http: HttpToolConfig = field(default_factory=HttpToolConfig)
 
     def __post_init__(self) -> None:
         _check(self.max_turns > 0, "max_turns must be > 0")
@@ -82,3 +113,5 @@ class MultiTurnConfig:
         _check(len(set(self.tools)) == len(self.tools), f"tools lists a tool twice: {self.tools}")
         _check(not self.enable or bool(self.tools) or bool(self.environment),
                "enable=true needs tools or an environment (a chat with neither has one turn)")
+        _check("http" not in self.tools or bool(self.http.url),
+               "tools lists http: set http.url to the service it calls")

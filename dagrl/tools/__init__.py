@@ -1,6 +1,6 @@
 """Tools a policy calls in multi-turn rollouts: the interface and how configured tools are
-loaded (base.py), the built-ins `calculator` and `python` (builtin.py), and the sandbox that
-runs the policy's code (sandbox.py, sandbox_child.py)."""
+loaded (base.py), the built-ins `calculator`, `python` and `http` (builtin.py, http.py), and the
+sandbox that runs the policy's code (sandbox.py, sandbox_child.py)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The built-in tools: `calculator` (arithmetic, evaluated in this process without running
-any code) and `python` (the policy's code, run in the sandbox of dagrl/tools/sandbox.py)."""
+any code), `python` (the policy's code, run in the sandbox of dagrl/tools/sandbox.py) and `http`
+(a service called over HTTP, dagrl/tools/http.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import operator
 
 from dagrl.config.multi_turn import MultiTurnConfig
 from dagrl.tools.base import TOOLS, ToolError
+from dagrl.tools.http import HttpTool
 from dagrl.tools.sandbox import Sandbox
 
 _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
@@ -102,3 +104,4 @@ class PythonTool:
 
 TOOLS.add("calculator", lambda cfg: Calculator())
 TOOLS.add("python", PythonTool)
+TOOLS.add("http", HttpTool)
