@@ -193,14 +193,6 @@ class ModelCopy(RolloutBackend):
         self.weights_version = 0
 
     @classmethod
-    def for_judge(cls, judge: JudgeConfig, load_model: Callable[[], torch.nn.Module], *,
-                  eos_token_id: int, pad_token_id: int) -> RolloutEngine:
-        """The frozen engine a judge grades with (engines/judge.py): by default over the judge
-        model loaded in this process (`load_model`); a backend with weights of its own
-        overrides this."""
-        return cls.over_model(load_model(), eos_token_id=eos_token_id, pad_token_id=pad_token_id)
-
-    @classmethod
     def over_model(cls, model: torch.nn.Module, *, eos_token_id: int, pad_token_id: int,
                    stop_token_ids: Sequence[int] = ()) -> RolloutEngine:
         return cls(model, eos_token_id=eos_token_id, pad_token_id=pad_token_id,
