@@ -11,8 +11,8 @@ import random
 from pathlib import Path
 
 import pytest
-from benchmarks.agentic_service import Latency, ToolService, quantiles_ms, summarize_calls
 
+from benchmarks.agentic_service import Latency, ToolService, quantiles_ms, summarize_calls
 from dagrl.config.multi_turn import HttpToolConfig, MultiTurnConfig
 from dagrl.tools import ToolError, load_tools
 
