@@ -563,9 +563,9 @@ the array too.
 train each run for 3 steps with its launcher and check: every step's metrics present and
 finite, each level's own metrics (or files) present, and the run equal to its 1-worker run
 (reward, response length, policy loss, gradient norm; the tolerance of the existing parity test
-of its loosest layout). The runs replace `builtin:tiny-digit-rm` by the same model trained for
-10 steps (its 300 take a minute at each run's start); `{server_url}` is a `vllm serve` of the
-tiny policy on 127.0.0.1 that the test starts.
+of its loosest layout). `builtin:tiny-digit-rm` is trained once into dagrl's cache
+($DAGRL_CACHE_DIR) and copied into each run; `{server_url}` is a `vllm serve` of the tiny
+policy on 127.0.0.1 that the test starts.
 
 Kinds: *semantic* changes what a step computes; *layout* only where and how (the run must
 reproduce 1 worker); *observer* records (validation, the profiler: kept in the 1-worker run);

@@ -64,3 +64,28 @@ def test_graph_runs_three_steps_on_two_workers(runs, name):
         assert "greedy_baseline" in roles
     if name == "dapo":
         assert "filter" in roles
+
+
+def test_dapo_filter_on_two_workers_keeps_the_groups_one_worker_keeps(tmp_path):
+    """Half the groups of a round have rewards that vary, so each step takes a second round and
+    cuts it mid-way: the kept groups are the first of the global order (round by round, rank by
+    rank within a round), so 2 workers train on one worker's groups."""
+    from dagrl.config.presets import load_run_config
+    from dagrl.runtime.launch import launch
+    from tests.dist_helpers import assert_same_steps, step_metrics, torchrun_train
+
+    scorer = tmp_path / "score.py"
+    scorer.write_text("def compute_score(data_source, solution_str, ground_truth, "
+                      "extra_info=None):\n    return float(len(solution_str.strip()) % 3 == 0)\n")
+    common = ["algorithm.name=dapo", "trainer.total_steps=3", "data.train_batch_size=4",
+              "actor.mini_batch_size=4", "rollout.n=4", "rollout.max_new_tokens=4",
+              f"reward.custom_fn={scorer}:compute_score", "algorithm.filter_max_rounds=6",
+              "logging.progress_bar=false", "logging.console_every=1000",
+              "trainer.torch_threads=1"]
+    one = launch(load_run_config(None, [*common, f"trainer.run_dir={tmp_path / 'one'}"]))
+    # a step whose second round kept more groups than it needed (6 of 8 for 4): a cut mid-round
+    assert any(s["filter/rounds"] == 2 and s["filter/keep_rate"] > 0.5 for s in one), one
+    torchrun_train(tmp_path / "two", 2, *common)
+    keys = ["reward/mean", "actor/pg_loss", "actor/grad_norm", "filter/groups_kept",
+            "filter/keep_rate", "filter/rounds"]
+    assert_same_steps(step_metrics(tmp_path / "two"), step_metrics(tmp_path / "one"), keys)

@@ -4,13 +4,14 @@ max_staleness=0 an async run reproduces the sync run, so each composition is che
 
 - an agent (multi-turn tool calls: gapped masks and turn fields through the async buffer) with
   validation (on the trainer ranks, with their own rollout engine refreshed at validation
-  steps);
+  steps) and the profiler (one merged trace of both sides);
 - DAPO's filter (on the rollout side, where `more()` reads fresh prompts) with a reward model
   (scoring on the rollout side).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -33,10 +34,7 @@ COMPARED = ["reward/mean", "reward/std", "response/length/mean", "actor/pg_loss"
 AGENT = [str(ROOT / "examples" / "tool_calc.yaml"), "data.train_batch_size=8",
          "actor.mini_batch_size=8", "rollout.n=4", "trainer.total_steps=3",
          "data.val_files=[builtin:tool-calc]", "trainer.val_every=2", "rollout.val_n=1",
-         "algorithm.kl_loss_coef=0"]
-# Not the profiler here: with it an async trainer rank died at torch.profiler's stop (no Python
-# traceback; once in this test, twice in the composition matrix's 4-worker runs), an open bug
-# (issue 34's notes), which would make this test flaky.
+         "profiler.enable=true", "profiler.steps=[2]", "algorithm.kl_loss_coef=0"]
 FILTERED = ["algorithm.name=dapo", "reward.source=reward_model",
             "reward_model.path=builtin:tiny-digit-rm", "data.train_batch_size=8",
             "actor.mini_batch_size=8", "rollout.n=4", "trainer.total_steps=3"]
@@ -67,7 +65,7 @@ def assert_same(ours: list[dict], reference: list[dict], keys: list[str]) -> Non
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
 
 
-def test_async_agent_with_validation_reproduces_sync(tmp_path):
+def test_async_agent_with_validation_and_profiler_reproduces_sync(tmp_path):
     reference = sync_one_worker(tmp_path / "sync", AGENT)
     run_dir = tmp_path / "async"
     ours = async_torchrun(run_dir, AGENT)
@@ -79,6 +77,11 @@ def test_async_agent_with_validation_reproduces_sync(tmp_path):
         assert a["val/tool_calc/score"] == pytest.approx(b["val/tool_calc/score"], abs=1e-9)
     # The agent made tool calls (the fields of its episodes crossed the buffer).
     assert sum(m["tools/calls_mean"] for m in ours) > 0
+    # One merged trace: the trainer rank's update and the rollout rank's generation.
+    trace = json.loads((run_dir / "profile" / "trace.json").read_text())
+    spans = {(e["pid"], e["name"]) for e in trace["traceEvents"]
+             if e.get("cat") == "user_annotation"}
+    assert (0, "node:actor_update") in spans and (1, "node:rollout") in spans, spans
 
 
 def test_async_dapo_filter_with_a_reward_model_reproduces_sync(tmp_path):

@@ -62,36 +62,19 @@ def _param(run: cm.Run):
 
 
 class Resources:
-    """What runs share, started on first use and stopped at the end of the module: the
-    tiny reward model (trained once instead of at each run's start), a Ray instance (joined by
-    every Ray run, as a cluster would be) and test_vllm's `vllm serve` of the tiny policy."""
+    """What runs share, started on first use and stopped at the end of the module: a Ray
+    instance (joined by every Ray run, as a cluster would be) and test_vllm's `vllm serve` of
+    the tiny policy."""
 
     def __init__(self, root: Path, request) -> None:
         self.root, self.request = root, request
-        self.reward_model: str | None = None
         self.ray_started = False
         self.metrics: dict[int, list[dict]] = {}   # finished runs' steps, by index
         self.failed: set[int] = set()
 
     def overrides(self, run: cm.Run) -> list[str]:
         server = any("{server_url}" in o for o in run.combo.overrides(run.world))
-        out = run.combo.overrides(run.world, {"server_url": self.server_url()} if server else None)
-        rm = "reward_model.path=builtin:tiny-digit-rm"
-        if rm in out:
-            out[out.index(rm)] = f"reward_model.path={self.trained_reward_model()}"
-        return out
-
-    def trained_reward_model(self) -> str:
-        """builtin:tiny-digit-rm as the runs use it: the same model trained 10 steps instead of
-        300 (a minute at every run's start here; how well it scores is no concern of theirs)."""
-        if self.reward_model is None:
-            from dagrl.engines.models import write_model_dir
-            from dagrl.engines.tiny_reward_model import train_tiny_digit_rm
-
-            model, tokenizer, _ = train_tiny_digit_rm(seed=0, steps=10)
-            self.reward_model = str(write_model_dir(self.root / "tiny-digit-rm", model,
-                                                    tokenizer))
-        return self.reward_model
+        return run.combo.overrides(run.world, {"server_url": self.server_url()} if server else None)
 
     def ray(self) -> None:
         import ray

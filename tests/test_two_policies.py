@@ -4,6 +4,7 @@ examples/two_policies.yaml trains a solver and a refiner together."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -68,7 +69,7 @@ def test_plan_shows_each_models_nodes_and_the_data_between_them():
     cfg = load_cli_config([str(EXAMPLE), f"dag.graph={GRAPH}", "trainer.n_workers=2"])
     graph, order, plans = plan_for(cfg, 2)
     text = format_plan(graph, order, plans)
-    assert "run refiner_update [actor_update @refiner]" in text
+    assert "run refiner_actor_update [actor_update @refiner]" in text
     assert "run actor_update [actor_update]" in text
     svg = to_svg(graph, order, plans)
     # handoff -> refiner_rollout and refiner_reward -> team_reward cross between the models.
@@ -122,3 +123,58 @@ def test_bad_model_placement_in_a_graph_is_refused_naming_the_node(tmp_path, rep
     cfg = load_cli_config([str(EXAMPLE), f"dag.graph={graph}", "trainer.n_workers=2"])
     with pytest.raises(GraphError, match=message):
         plan_for(cfg, 2)
+
+
+def _plan_roles(*overrides: str) -> list[tuple[str, str, tuple[str, ...]]]:
+    cfg = load_cli_config([str(EXAMPLE), f"dag.graph={GRAPH}", *overrides])
+    graph, order, _ = plan_for(cfg, 1)
+    return [(graph.node(i).model, graph.node(i).role, graph.node(i).deps) for i in order]
+
+
+def test_use_algorithm_gives_each_policy_its_algorithms_training_nodes():
+    ppo = _plan_roles("algorithm.name=ppo")
+    for model in ("", "refiner"):   # PPO: critic, KL in the reward (old and reference passes)
+        roles = [role for m, role, _ in ppo if m == model]
+        assert {"values", "critic_update", "kl_penalty", "old_logprob", "ref_logprob"} <= set(roles)
+    # The refiner may run another algorithm than the main policy.
+    mixed = _plan_roles("models.refiner.algorithm.name=ppo")
+    assert [r for m, r, _ in mixed if m == ""].count("values") == 0
+    assert [r for m, r, _ in mixed if m == "refiner"].count("values") == 1
+    # DAPO: one filter, the main policy's; the refiner's nodes train on the groups it kept.
+    dapo = _plan_roles("algorithm.name=dapo")
+    assert [(m, r) for m, r, _ in dapo if r == "filter"] == [("", "filter")]
+    ((_, _, deps),) = [n for n in dapo if n[:2] == ("refiner", "advantage")]
+    assert "filter" in deps
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["models.refiner.algorithm.name=dapo"], "the main policy runs no filter"),
+    (["algorithm.name=remax"], "greedy baseline is a second rollout"),
+])
+def test_use_algorithm_refuses_what_the_shared_batch_cannot_do(overrides, message):
+    with pytest.raises(GraphError, match=message):
+        _plan_roles(*overrides)
+
+
+MULTI_TURN = ("rollout.multi_turn.enable=true", "rollout.multi_turn.format=tiny",
+              "rollout.multi_turn.tools=[calculator]", "rollout.max_new_tokens=16",
+              "rollout.multi_turn.max_turns=3", "rollout.multi_turn.max_tokens_per_turn=6",
+              "data.max_prompt_length=12")
+
+
+# PPO and DAPO through `use: algorithm`; both policies calling tools over several turns, where
+# the refiner's prompts (the solver's whole episodes) are longer than data.max_prompt_length.
+@pytest.mark.parametrize("overrides, signature", [
+    (("algorithm.name=ppo",), "refiner/critic/vf_loss"),
+    (("algorithm.name=dapo",), "filter/rounds"),
+    (MULTI_TURN, "refiner/tools/calls_mean"),
+], ids=["ppo", "dapo", "multi-turn"])
+def test_two_policies_train_with_ppo_dapo_and_tools(tmp_path, overrides, signature):
+    history = launch(config(tmp_path / "run", *overrides, "trainer.total_steps=2",
+                            "data.train_batch_size=4", "actor.mini_batch_size=4"))
+    assert len(history) == 2
+    for step in history:
+        for key in ("actor/pg_loss", "refiner/actor/pg_loss", signature):
+            assert math.isfinite(step[key]), key
+    if overrides == MULTI_TURN:   # longer than data.max_prompt_length
+        assert max(s["refiner/prompt/length_mean"] for s in history) > 12

@@ -27,8 +27,9 @@ def _check(cond: bool, message: str) -> None:
 @dataclass
 class RewardModelConfig:
     # A Hugging Face `*ForSequenceClassification` directory with one label (verl's and
-    # OpenRLHF's reward models), or `builtin:tiny-digit-rm`: a tiny classifier trained in the
-    # run directory at start (examples/reward_model.yaml, dagrl/engines/tiny_reward_model.py).
+    # OpenRLHF's reward models), or `builtin:tiny-digit-rm`: a tiny classifier trained in code
+    # once into $DAGRL_CACHE_DIR (default ~/.cache/dagrl) and copied into the run directory
+    # (examples/reward_model.yaml, dagrl/engines/tiny_reward_model.py).
     path: str = ""
     dtype: Literal["float32", "bfloat16", "float64"] = "float32"
     # Samples per forward pass.

@@ -15,10 +15,11 @@ receives the rollout backend's declared capabilities (`RolloutTraits`), which th
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Protocol
 
 from dagrl.config.schema import Config
-from dagrl.dag.spec import GraphSpec, NodeSpec
+from dagrl.dag.spec import USE_ALGORITHM, GraphError, GraphSpec, NodeSpec
 from dagrl.registry import Registry
 
 # The role of the `reward` node for each reward.source (roles/score.py, roles/model_reward.py).
@@ -75,28 +76,105 @@ def policy_graph(name: str, cfg: Config, rollout: RolloutTraits, *,
     nodes.append(NodeSpec("rollout", "rollout", ("greedy_baseline",) if greedy_baseline else ()))
     # reward.source picks the role that scores: rule scorers, a reward model or a judge.
     nodes.append(NodeSpec("reward", REWARD_ROLES[cfg.reward.source], ("rollout",)))
-    source = "reward"    # what the forward passes read: the batch after filtering, if any
+    nodes += training_nodes(cfg, rollout, ("reward",), dynamic_sampling=dynamic_sampling,
+                            critic=critic)
+    return GraphSpec(name, tuple(nodes))
+
+
+def training_nodes(cfg: Config, rollout: RolloutTraits, after: tuple[str, ...], *,
+                   dynamic_sampling: bool = False, critic: bool = False,
+                   model: str = "") -> list[NodeSpec]:
+    """A policy's nodes from its scored samples (`after`) to its update: [filter] ->
+    [old_logprob], [ref_logprob], [values] -> [kl_penalty] -> advantage -> actor_update,
+    [critic_update]. An extra model's (`model`) ids carry its name: refiner_advantage."""
+    def node(role: str, deps: tuple[str, ...]) -> NodeSpec:
+        return NodeSpec(f"{model}_{role}" if model else role, role, deps, model=model)
+
+    nodes = []
+    source = after    # what the forward passes read: the batch after filtering, if any
     if dynamic_sampling:
-        nodes.append(NodeSpec("filter", "filter", ("reward",)))
-        source = "filter"
+        nodes.append(node("filter", after))
+        source = (nodes[-1].id,)
     forward = []
     if uses_old_logprob(cfg, rollout):
-        nodes.append(NodeSpec("old_logprob", "old_logprob", (source,)))
-        forward.append("old_logprob")
+        nodes.append(node("old_logprob", source))
+        forward.append(nodes[-1])
     if uses_reference(cfg):
-        nodes.append(NodeSpec("ref_logprob", "ref_logprob", (source,)))
-        forward.append("ref_logprob")
+        nodes.append(node("ref_logprob", source))
+        forward.append(nodes[-1])
     if critic:
-        nodes.append(NodeSpec("values", "values", (source,)))
-        forward.append("values")
+        nodes.append(node("values", source))
+        forward.append(nodes[-1])
     if cfg.algorithm.kl_in_reward:   # r = score - beta * KL(pi_old || pi_ref), per token
-        nodes.append(NodeSpec("kl_penalty", "kl_penalty", (source, *forward)))
-        forward = ["kl_penalty", *(f for f in forward if f == "values")]
-    nodes.append(NodeSpec("advantage", "advantage", (source, *forward)))
-    nodes.append(NodeSpec("actor_update", "actor_update", ("advantage",)))
+        nodes.append(node("kl_penalty", (*source, *(f.id for f in forward))))
+        forward = [nodes[-1], *(f for f in forward if f.role == "values")]
+    nodes.append(node("advantage", (*source, *(f.id for f in forward))))
+    advantage = nodes[-1].id
+    nodes.append(node("actor_update", (advantage,)))
     if critic:
-        nodes.append(NodeSpec("critic_update", "critic_update", ("advantage",)))
-    return GraphSpec(name, tuple(nodes))
+        nodes.append(node("critic_update", (advantage,)))
+    return nodes
+
+
+# What each built-in algorithm adds to the policy-gradient graph (filled by _register).
+GRAPH_SHAPES: dict[str, dict[str, bool]] = {}
+
+
+def expand_algorithm_nodes(graph: GraphSpec, config_of: Callable[[str], Config],
+                           traits_of: Callable[[Config], RolloutTraits]) -> GraphSpec:
+    """Replace each `use: algorithm` node of a hand-written graph (dag/spec.py) by the training
+    nodes of its policy's algorithm (`config_of(model).algorithm.name`); a node that depended
+    on it depends on the policy's updates.
+
+    DAPO's filter drops groups of the batch, which every policy shares (an extra model answers
+    each of the main policy's samples once): the main policy's algorithm filters, and an extra
+    model whose algorithm filters too trains on the groups the main filter kept (its nodes
+    follow that filter)."""
+    macros = [n for n in graph.nodes if n.role == USE_ALGORITHM]
+    if not macros:
+        return graph
+    shapes = {n.id: _shape(graph, n, config_of(n.model).algorithm.name) for n in macros}
+    main_filter = [n.id for n in graph.nodes if n.role == "filter" and not n.model]
+    main_filter += ["filter" for n in macros
+                    if not n.model and shapes[n.id].get("dynamic_sampling")]
+    expanded: list[NodeSpec] = []
+    updates: dict[str, tuple[str, ...]] = {}
+    for n in graph.nodes:
+        if n.role != USE_ALGORITHM:
+            expanded.append(n)
+            continue
+        cfg, shape, after = config_of(n.model), shapes[n.id], n.deps
+        filters = bool(shape.get("dynamic_sampling"))
+        if filters and n.model:
+            if not main_filter:
+                raise GraphError(f"graph {graph.name!r}: node {n.id!r} (use: algorithm, "
+                                 f"{cfg.algorithm.name}) of model {n.model!r}: DAPO's filter "
+                                 "drops groups of the batch every policy shares, so an extra "
+                                 "model trains on the groups the main policy's filter keeps; "
+                                 "the main policy runs no filter")
+            after, filters = (*after, *main_filter), False
+        nodes = training_nodes(cfg, traits_of(cfg), after, model=n.model, dynamic_sampling=filters,
+                               critic=bool(shape.get("critic")))
+        expanded += nodes
+        updates[n.id] = tuple(x.id for x in nodes if x.role in ("actor_update", "critic_update"))
+    rewired = [replace(n, deps=tuple(d for dep in n.deps for d in updates.get(dep, (dep,))))
+               for n in expanded]
+    return GraphSpec(graph.name, tuple(rewired))
+
+
+def _shape(graph: GraphSpec, node: NodeSpec, name: str) -> dict[str, bool]:
+    where = f"graph {graph.name!r}: node {node.id!r} (use: algorithm, {name})"
+    shape = GRAPH_SHAPES.get(name)
+    if shape is None:
+        raise GraphError(f"{where}: no built-in graph of that name to take the nodes from "
+                         f"({', '.join(sorted(GRAPH_SHAPES))})")
+    if shape.get("greedy_baseline"):
+        raise GraphError(f"{where}: the greedy baseline is a second rollout, before the scored "
+                         "samples this node starts from; write its greedy_baseline node before "
+                         "the rollout and the training nodes by hand")
+    if node.options:
+        raise GraphError(f"{where}: takes no options (the config's sections set them)")
+    return shape
 
 
 def _register(name: str, doc: str, **kwargs) -> None:
@@ -105,6 +183,7 @@ def _register(name: str, doc: str, **kwargs) -> None:
 
     build.__doc__ = doc
     BUILTIN_GRAPHS.add(name, build)
+    GRAPH_SHAPES[name] = kwargs
 
 
 _register("grpo", "GRPO (Shao et al. 2024): group-normalised rewards, clipped loss, KL loss term.")

@@ -12,6 +12,14 @@ Written in YAML:
 A node may name the policy it uses (`model: refiner`, one of the config's `models`; see
 dagrl/config/models.py); without it, the main policy.
 
+`use: algorithm` in place of a role stands for the training nodes of the policy's configured
+algorithm after its reward, as the built-in graph has them (DAPO's filter, old_logprob,
+ref_logprob, PPO's values, kl_penalty, advantage, actor_update, critic_update; see
+dag/builtin.py), so a hand-written graph runs whichever algorithm the config names:
+
+      - {id: train, use: algorithm, deps: [reward]}
+      - {id: refiner_train, use: algorithm, model: refiner, deps: [refiner_reward]}
+
 or built in Python with `GraphSpec(name, [NodeSpec(...), ...])`. `validate_graph` checks it and
 returns the execution order; its errors name the nodes at fault.
 """
@@ -61,6 +69,8 @@ class GraphSpec:
 
 
 _NODE_KEYS = {"id", "role", "deps", "options", "model"}
+# The role of a `use: algorithm` node until the planner expands it (dag/builtin.py).
+USE_ALGORITHM = "use: algorithm"
 
 
 def graph_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> GraphSpec:
@@ -72,16 +82,21 @@ def graph_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> GraphSpe
         raise GraphError(f"{source}: unknown graph key(s) {sorted(unknown)} (allowed: name, nodes)")
     nodes = []
     for i, raw in enumerate(data["nodes"] or []):
-        if not isinstance(raw, Mapping) or "id" not in raw or "role" not in raw:
-            raise GraphError(f"{source}: node #{i} must be a mapping with 'id' and 'role'")
-        extra = set(raw) - _NODE_KEYS
+        if not isinstance(raw, Mapping) or "id" not in raw or ("role" in raw) == ("use" in raw):
+            raise GraphError(f"{source}: node #{i} must be a mapping with 'id' and one of "
+                             "'role' or 'use: algorithm'")
+        if "use" in raw and raw["use"] != "algorithm":
+            raise GraphError(f"{source}: node {raw['id']!r}: use must be 'algorithm', got "
+                             f"{raw['use']!r}")
+        role = str(raw["role"]) if "role" in raw else USE_ALGORITHM
+        extra = set(raw) - _NODE_KEYS - {"use"}
         if extra:
             raise GraphError(f"{source}: node {raw['id']!r} has unknown key(s) {sorted(extra)} "
-                             f"(allowed: {', '.join(sorted(_NODE_KEYS))})")
+                             f"(allowed: {', '.join(sorted(_NODE_KEYS | {'use'}))})")
         deps = raw.get("deps") or []
         if isinstance(deps, str):
             deps = [deps]
-        nodes.append(NodeSpec(str(raw["id"]), str(raw["role"]), tuple(str(d) for d in deps),
+        nodes.append(NodeSpec(str(raw["id"]), role, tuple(str(d) for d in deps),
                               dict(raw.get("options") or {}), str(raw.get("model") or "")))
     return GraphSpec(str(data.get("name", Path(source).stem)), tuple(nodes))
 

@@ -126,12 +126,13 @@ class Engines:
 def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
                   world_size: int = 1, log: Callable[[str], None] = print,
                   tokenizer=None, dp_group: dist.ProcessGroup | None = None,
-                  layout: EngineLayout | None = None) -> Engines:
+                  layout: EngineLayout | None = None, handed_prompts: bool = False) -> Engines:
     """Build the engines in `needed` (names from dagrl.roles.registry.ENGINES) as `layout`
     places them (engines/layout.py; default: a sync run of `world_size` ranks); `dp_group`:
     the group of `layout.side_ranks` when not all of them (trainer.mode=async: this side's
     ranks). `tokenizer`: the run's, when the caller has loaded it already (the worker does,
-    for its pre-flight)."""
+    for its pre-flight). `handed_prompts`: the model's prompts are another policy's answers (an
+    extra model's, made by a handoff node), so data.max_prompt_length does not bound them."""
     if layout is None:
         layout = EngineLayout.of(cfg, world_size, device_type=device.type)
     _prepare_host(cfg, layout, device)
@@ -144,7 +145,7 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
     if "critic" in needed:
         engines.critic = build.critic()
     if "rollout" in needed:
-        engines.rollout, engines.agent = build.rollout(tokenizer, engines.actor)
+        engines.rollout, engines.agent = build.rollout(tokenizer, engines.actor, handed_prompts)
     if "ref" in needed:
         engines.ref_model = build.reference(engines.actor)
     if "reward" in needed:
@@ -219,10 +220,11 @@ class _Build:
         return CriticEngine(self.shard(model, "critic"), cfg.critic, self.layout,
                             loss_agg_mode=cfg.algorithm.loss_agg_mode)
 
-    def rollout(self, tokenizer, actor: ActorEngine | None
+    def rollout(self, tokenizer, actor: ActorEngine | None, handed_prompts: bool = False
                 ) -> tuple[RolloutEngine, MultiTurnRollout | None]:
         """The rollout engine (it starts from the actor's checkpoint: nothing to sync before the
-        first update) and, with rollout.multi_turn, the agent loop over it."""
+        first update) and, with rollout.multi_turn, the agent loop over it (prompts as wide as
+        the batch's longest when they are handed on from another policy)."""
         cfg = self.cfg
         # One worker: the copy is built from the whole actor (or is the actor itself).
         whole = actor.model if actor is not None and self.layout.whole_actor else None
@@ -238,8 +240,8 @@ class _Build:
         return engine, MultiTurnRollout(
             engine, tokenizer, mt, tools=load_tools(mt.tools, mt),
             env_factory=load_environment(mt.environment) if mt.environment else None,
-            prompt_width=cfg.data.max_prompt_length, response_width=cfg.rollout.max_new_tokens,
-            pad_token_id=tokenizer.pad_token_id)
+            prompt_width=None if handed_prompts else cfg.data.max_prompt_length,
+            response_width=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
 
     def rollout_copy(self, whole_actor: torch.nn.Module | None) -> torch.nn.Module:
         """The rollout engine's own weights (layout.rollout_copy): loaded in the rollout dtype,

@@ -14,7 +14,10 @@ built-in tiny policy with GRPO on these scores and no rule reward.
 
 from __future__ import annotations
 
+import os
 import random
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
@@ -30,6 +33,8 @@ from dagrl.engines.models import (
 from dagrl.engines.reward_model import render_pair
 
 NAME = "tiny-digit-rm"
+# Bump when the training recipe below changes: the cache key of the trained model.
+RECIPE = 1
 DIGITS = "0123456789"
 NON_DIGITS = [c for c in CHARACTERS if c not in DIGITS and c != "="]
 
@@ -98,3 +103,32 @@ def write_tiny_digit_rm(out_dir: str | Path, *, seed: int = 0) -> Path:
     note = (f"{NAME}: trained in code (dagrl/engines/tiny_reward_model.py), seed {seed}; "
             f"held-out mean absolute error {error:.4f} on the digit share in [0, 1]\n")
     return write_model_dir(Path(out_dir), model, tokenizer, {"TRAINING.txt": note})
+
+
+def cache_dir() -> Path:
+    """Where built-in models trained in code are kept between runs ($DAGRL_CACHE_DIR, else
+    ~/.cache/dagrl), as the Hugging Face cache keeps downloaded ones."""
+    return Path(os.environ.get("DAGRL_CACHE_DIR") or Path.home() / ".cache" / "dagrl")
+
+
+def copy_tiny_digit_rm(out_dir: str | Path, *, seed: int = 0) -> Path:
+    """The trained model written as `out_dir`: copied from the cache, where it is trained the
+    first time (a minute on a CPU core; the training is seeded, so the copy is the model this
+    run would train). The copy is made beside `out_dir` and renamed into place."""
+    out_dir = Path(out_dir)
+    cached = cache_dir() / f"{NAME}-s{seed}-r{RECIPE}"
+    if not (cached / "config.json").exists():
+        try:
+            write_tiny_digit_rm(cached, seed=seed)
+        except OSError:   # another process renamed its copy into place first
+            if not (cached / "config.json").exists():
+                raise
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        shutil.copytree(cached, tmp, dirs_exist_ok=True)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir

@@ -26,7 +26,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from dagrl.data.async_buffer import PendingSends
+from dagrl.data.async_buffer import PendingSends, outliving_profiler
 from dagrl.engines.weight_sync import BUCKET_BYTES
 
 TAG_WEIGHTS = 1711
@@ -88,8 +88,9 @@ class WeightSender:
                 pass
             return
         keep: list[torch.Tensor] = [torch.tensor([version], dtype=torch.int64)]
-        works = [dist.isend(keep[0], dst, group=self.group, tag=TAG_WEIGHTS)
-                 for dst in self.rollout_ranks]
+        with outliving_profiler():
+            works = [dist.isend(keep[0], dst, group=self.group, tag=TAG_WEIGHTS)
+                     for dst in self.rollout_ranks]
         bucket: list[torch.Tensor] = []
         size = 0
         element = torch.empty(0, dtype=self.dtype).element_size()
@@ -97,8 +98,9 @@ class WeightSender:
         def send_bucket() -> None:
             flat = torch.cat(bucket)   # [numel of the bucket], the rollout's dtype
             keep.append(flat)
-            works.extend(dist.isend(flat, dst, group=self.group, tag=TAG_WEIGHTS)
-                         for dst in self.rollout_ranks)
+            with outliving_profiler():
+                works.extend(dist.isend(flat, dst, group=self.group, tag=TAG_WEIGHTS)
+                             for dst in self.rollout_ranks)
 
         for _, tensor in named:
             nbytes = tensor.numel() * element
@@ -140,9 +142,11 @@ class WeightReceiver:
     def _post(self) -> None:
         """Post the receives of the next version; a daemon thread waits for them (gloo cannot
         be polled: see data/async_buffer.PendingSends) and raises the event when all are in."""
-        works = [dist.irecv(self.version_box, self.source, group=self.group, tag=TAG_WEIGHTS)]
-        works += [dist.irecv(b, self.source, group=self.group, tag=TAG_WEIGHTS)
-                  for b in self.buckets]
+        with outliving_profiler():
+            works = [dist.irecv(self.version_box, self.source, group=self.group,
+                                tag=TAG_WEIGHTS)]
+            works += [dist.irecv(b, self.source, group=self.group, tag=TAG_WEIGHTS)
+                      for b in self.buckets]
         arrived = self._arrived = threading.Event()
 
         def wait() -> None:

@@ -29,43 +29,53 @@ def filter_groups(ctx: NodeContext, batch: Batch) -> Batch:
     data.train_batch_size groups are kept over all ranks, at most algorithm.filter_max_rounds
     rounds. Every rank takes the same decisions, from globally summed counts."""
     algo, target = ctx.config.algorithm, ctx.config.data.train_batch_size
-    kept = batch.select(groups_with_variance(batch["scores"], group_index(batch["uid"],
-                                                                          batch["scores"].device)))
+    rounds_kept = [_with_variance(batch)]    # this rank's kept groups, round by round
     generated = _count_groups(batch)
-    rounds = 1
     while True:
-        counts = ctx.reduce_sum(torch.tensor([_count_groups(kept), generated], dtype=torch.float64))
+        counts = ctx.reduce_sum(torch.tensor(
+            [sum(_count_groups(b) for b in rounds_kept), generated], dtype=torch.float64))
         total = int(counts[0])
-        if total >= target or rounds >= algo.filter_max_rounds or ctx.more is None:
+        if total >= target or len(rounds_kept) >= algo.filter_max_rounds or ctx.more is None:
             break
         fresh = ctx.more()
         generated += _count_groups(fresh)
-        kept = Batch.concat([kept, fresh.select(groups_with_variance(
-            fresh["scores"], group_index(fresh["uid"], fresh["scores"].device)))])
-        rounds += 1
-    ctx.metrics.add_max("filter/rounds", rounds)
-    ctx.metrics.add_sum("filter/groups_kept", min(total, target))
-    ctx.metrics.add_mean("filter/keep_rate", float(counts[0]), float(counts[1]))
+        rounds_kept.append(_with_variance(fresh))
+    ctx.metrics.add_max("filter/rounds", len(rounds_kept))
+    ctx.metrics.add_mean("filter/keep_rate", sum(_count_groups(b) for b in rounds_kept),
+                         generated)
     keep = target
     if total < target:
         if algo.filter_on_cap == "error" or total < ctx.world_size:
             raise RuntimeError(
                 f"node {ctx.node.id!r}: only {total} of {target} groups had varying rewards after "
-                f"{rounds} generation round(s) (algorithm.filter_max_rounds="
+                f"{len(rounds_kept)} generation round(s) (algorithm.filter_max_rounds="
                 f"{algo.filter_max_rounds}); raise it, or set algorithm.filter_on_cap=partial")
         keep = total - total % ctx.world_size   # equal group counts per rank for the update
         ctx.engines.log(f"filter: training on a partial batch of {keep}/{target} groups")
-    return _first_groups(ctx, kept, keep)
+    kept = _first_groups(ctx, rounds_kept, keep)
+    ctx.metrics.add_sum("filter/groups_kept", _count_groups(kept))
+    return kept
 
 
-def _first_groups(ctx: NodeContext, batch: Batch, keep: int) -> Batch:
-    """Keep the first `keep` groups of the global order (rank by rank)."""
-    mine = _count_groups(batch)
-    per_rank = torch.zeros(ctx.world_size, dtype=torch.float64)
-    per_rank[ctx.rank] = mine
-    per_rank = ctx.reduce_sum(per_rank)
-    before = int(per_rank[:ctx.rank].sum())
-    allowed = max(0, min(mine, keep - before))
-    uids = batch["uid"].tolist()
-    first = set(list(dict.fromkeys(uids))[:allowed])
-    return batch.select([i for i, u in enumerate(uids) if u in first])
+def _with_variance(batch: Batch) -> Batch:
+    return batch.select(groups_with_variance(batch["scores"],
+                                             group_index(batch["uid"], batch["scores"].device)))
+
+
+def _first_groups(ctx: NodeContext, rounds_kept: list[Batch], keep: int) -> Batch:
+    """Keep the first `keep` groups of the global order: round by round, and within a round
+    rank by rank (each rank reads the r-th contiguous slice of a round's prompts), which is
+    the order one worker generates them in, so N workers keep the groups one worker keeps."""
+    world, rounds = ctx.world_size, len(rounds_kept)
+    counts = torch.zeros(rounds, world, dtype=torch.float64)
+    for r, b in enumerate(rounds_kept):
+        counts[r, ctx.rank] = _count_groups(b)
+    counts = ctx.reduce_sum(counts).flatten()     # round-major, then rank
+    parts = []
+    for r, b in enumerate(rounds_kept):
+        before = int(counts[:r * world + ctx.rank].sum())
+        allowed = max(0, min(int(counts[r * world + ctx.rank]), keep - before))
+        uids = b["uid"].tolist()
+        first = set(list(dict.fromkeys(uids))[:allowed])
+        parts.append(b.select([i for i, u in enumerate(uids) if u in first]))
+    return Batch.concat(parts)

@@ -104,7 +104,7 @@ class MultiTurnRollout:
 
     def __init__(self, engine: RolloutEngine, tokenizer, cfg: MultiTurnConfig, *,
                  tools: dict[str, Tool], env_factory: Callable[[], Environment] | None,
-                 prompt_width: int, response_width: int, pad_token_id: int) -> None:
+                 prompt_width: int | None, response_width: int, pad_token_id: int) -> None:
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
         self.tools, self.env_factory = tools, env_factory
         self.prompt_width, self.response_width = prompt_width, response_width
@@ -171,7 +171,7 @@ class MultiTurnRollout:
             messages = [{"role": "user", "content": messages}]
         transcript = Transcript(self.tokenizer, self.schemas, [dict(m) for m in messages])
         prompt = transcript.prompt_ids()
-        if len(prompt) > self.prompt_width:
+        if self.prompt_width is not None and len(prompt) > self.prompt_width:
             raise ValueError(f"multi-turn prompt of sample {index} has {len(prompt)} tokens with "
                              f"the tools' schemas, more than data.max_prompt_length="
                              f"{self.prompt_width}; raise it")
@@ -263,7 +263,9 @@ class MultiTurnRollout:
 
     def _output(self, episodes: list[_Episode], device: torch.device, calls_by_tool: Counter,
                 first_error: list[str]) -> MultiTurnOutput:
-        b, p, r = len(episodes), self.prompt_width, self.response_width
+        # None: as wide as the longest prompt (another policy's answers, not the dataset's)
+        p = self.prompt_width or max(len(e.prompt) for e in episodes)
+        b, r = len(episodes), self.response_width
         prompt_ids = torch.full((b, p), self.pad_token_id, dtype=torch.long)
         prompt_mask = torch.zeros(b, p, dtype=torch.long)
         responses = torch.full((b, r), self.pad_token_id, dtype=torch.long)

@@ -17,7 +17,7 @@ from dagrl.config.schema import Config
 from dagrl.data.makers import MAKERS
 from dagrl.engines.models import BUILTIN_PREFIX, resolve_builtin_model
 from dagrl.engines.tiny_reward_model import NAME as TINY_RM
-from dagrl.engines.tiny_reward_model import write_tiny_digit_rm
+from dagrl.engines.tiny_reward_model import copy_tiny_digit_rm
 
 
 def resolve_run_dir(cfg: Config) -> Path:
@@ -34,8 +34,8 @@ def with_run_dir(cfg: Config, run_dir: Path | str) -> Config:
 
 
 def resolve_builtin_reward_model(path: str, out_root: Path, *, seed: int) -> str:
-    """`builtin:tiny-digit-rm` -> the tiny reward model trained and written under `out_root`
-    (dagrl/engines/tiny_reward_model.py); other paths pass through."""
+    """`builtin:tiny-digit-rm` -> the tiny reward model written under `out_root` (trained once
+    into the cache: dagrl/engines/tiny_reward_model.py); other paths pass through."""
     if not path.startswith(BUILTIN_PREFIX):
         return path
     if path != BUILTIN_PREFIX + TINY_RM:
@@ -43,7 +43,7 @@ def resolve_builtin_reward_model(path: str, out_root: Path, *, seed: int) -> str
                          f"one is {BUILTIN_PREFIX + TINY_RM}")
     out = out_root / f"{TINY_RM}-s{seed}"
     if not (out / "config.json").exists():
-        write_tiny_digit_rm(out, seed=seed)
+        copy_tiny_digit_rm(out, seed=seed)
     return str(out)
 
 

@@ -187,10 +187,12 @@ class Worker:
         self.engines = build_engines(cfg, needed, self.device, layout=self.layout, log=self.log,
                                      tokenizer=tokenizer,
                                      dp_group=side.group if kind != "all" else None)
-        # The config's extra policies (config/models.py), each with its own engines.
+        # The config's extra policies (config/models.py), each with its own engines; their
+        # prompts are made from the main policy's answers (a handoff node).
         self.model_engines = {
             name: build_engines(model_config(cfg, name), engines_of(self.plan, name),
-                                self.device, world_size=self.world_size, log=self.log)
+                                self.device, world_size=self.world_size, log=self.log,
+                                handed_prompts=True)
             for name in cfg.models}
 
     def _estimate_memory(self, needed: set[str], runtime_rss: int) -> float:
