@@ -174,7 +174,7 @@ def _protocol(rank, world, steps, staleness):
     return {"got": got}
 
 
-@pytest.mark.parametrize("world,staleness", [(2, 1), (3, 0)])
+@pytest.mark.parametrize("world,staleness", [(2, 1), pytest.param(3, 0, marks=pytest.mark.slow)])
 def test_buffer_delivers_every_group_once_and_weights_arrive_in_order(world, staleness):
     steps = 5
     results = run_distributed(_protocol, world, steps, staleness)

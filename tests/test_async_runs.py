@@ -152,6 +152,7 @@ def test_async_with_staleness_0_reproduces_sync_and_resumes_exactly(tmp_path, sy
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
 
 
+@pytest.mark.slow
 def test_torchrun_async_trainer_killed_resumes_and_trains_every_prompt_once(tmp_path):
     # max_staleness=1 with TIS: rank 0 (the trainer) dies by SIGKILL in step 5, after the
     # checkpoint of step 4, while the rollout rank is already generating ahead; torchrun stops
@@ -184,6 +185,7 @@ def test_torchrun_async_trainer_killed_resumes_and_trains_every_prompt_once(tmp_
             assert 0 < m["rollout_corr/is_clipped_fraction"] < 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dies", ["rollout", "trainer"])
 def test_ray_async_survives_a_rank_killed_mid_run(tmp_path, dies):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -225,6 +227,7 @@ def test_ray_async_survives_a_rank_killed_mid_run(tmp_path, dies):
     assert trained_rows(run_dir) == expected_rows(run_dir, steps, batch=8)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["torchrun", "ray"])
 def test_async_learns_the_default_task_within_the_staleness_bound(tmp_path, launcher):
     # The acceptance command: the default task, 2 workers, max_staleness=1, 60 steps.

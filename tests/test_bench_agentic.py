@@ -80,6 +80,7 @@ def test_a_call_slower_than_its_timeout_is_a_tool_error():
             asyncio.run(tool.call({"expression": "1+1"}))
 
 
+@pytest.mark.slow
 def test_the_bench_runs_sync_beside_async_on_the_agentic_workload(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     assert bench.main(["--workload", "agentic", "--steps", "2", "--warmup", "1", "--rounds", "1",

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import dataplane
 
 FIELDS = {"workers", "mib_per_step", "mib_per_worker", "sweep", "ours_s", "single_s", "speedup",
           "ours_peak_mib", "coordinator_peak_mib", "mem_ratio", "verified"}
 
 
+@pytest.mark.slow
 def test_tiny_run_prints_table_and_writes_verified_rows(tmp_path, capsys):
     out = tmp_path / "rows.json"
     # 0.5 MiB per worker at W=2 is the same point as 1 MiB per step, so it is measured once.

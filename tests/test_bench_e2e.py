@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import e2e
 
 
+@pytest.mark.slow
 def test_our_side_runs_and_reports_against_the_limit(tmp_path, capsys):
     out = tmp_path / "result.json"
     rc = e2e.main(["--sides", "ours", "--steps", "2", "--prompts", "2", "--samples", "2",

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from benchmarks import memory
 
 
+@pytest.mark.slow
 def test_settings_run_side_by_side_and_report_ratios(tmp_path, capsys):
     out = tmp_path / "memory.json"
     rc = memory.main(["--model", "tiny", "--steps", "1", "--prompts", "2", "--samples", "2",

@@ -107,7 +107,7 @@ def results_for(world: int):
     return {key: [r[key] for r in per_rank] for key in per_rank[0]}
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_exchange_delivers_every_sample_once(world):
     """Random destinations, ranks with no samples, all_to_all and paired send/recv."""
     per_rank = results_for(world)["exchange"]

@@ -234,6 +234,7 @@ def assert_close_runs(ours, reference):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("before,after", [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
 def test_elastic_resume_continues_the_run(tmp_path, uninterrupted, before, after):
     run_dir = tmp_path / "run"
@@ -258,6 +259,7 @@ def test_elastic_resume_continues_the_run(tmp_path, uninterrupted, before, after
     assert metrics(run_dir)[-1]["val/samples"] == test_rows
 
 
+@pytest.mark.slow
 def test_ray_restarts_all_workers_from_the_last_checkpoint(tmp_path, capfd):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     run_dir = tmp_path / "run"

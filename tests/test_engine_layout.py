@@ -204,6 +204,7 @@ def test_one_worker_holds_what_the_estimate_says(tiny_model_dir, overrides):
         assert held["rollout weights"] == 0
 
 
+@pytest.mark.slow
 def test_two_workers_hold_what_the_estimate_says(tiny_model_dir):
     per_rank = run_distributed(_held_on_two, 2, str(tiny_model_dir), timeout=240)
     for name, overrides in TWO_WORKERS.items():

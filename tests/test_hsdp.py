@@ -80,6 +80,7 @@ def test_shard_groups_are_refused_in_async_mode():
                                    "data.train_batch_size=8", "actor.mini_batch_size=8"])
 
 
+@pytest.mark.slow
 def test_four_workers_in_two_shard_groups_match_one_worker_across_a_resume(tmp_path):
     # 2 steps with a checkpoint after each (DCP writes each rank's HSDP shards), then the
     # same directory to step 3: it resumes from step 2's checkpoint

@@ -122,6 +122,7 @@ def test_torchrun_lora_tensor_parallel_matches_one_worker_and_resumes_with_one(
     assert_same_run(metrics(resumed), lora_one_worker[2:4])
 
 
+@pytest.mark.slow
 def test_ray_lora_tensor_parallel_matches_one_worker(tmp_path, lora_one_worker):
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     run_dir = tmp_path / "ray"

@@ -95,6 +95,7 @@ def _worker(tmp_path, *overrides):
     return Worker(cfg)
 
 
+@pytest.mark.slow
 def test_mixed_precision_run_learns_and_keeps_the_rollout_copy_in_sync(tmp_path):
     worker = _worker(tmp_path, "trainer.total_steps=24", "algorithm.kl_loss_coef=0.001")
     history = worker.train()

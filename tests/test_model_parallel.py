@@ -86,6 +86,7 @@ def test_parallel_model_matches_one_process(tiny_model_dir, tp, sp):
     _assert_match(reference, run_distributed(_passes, 2, str(tiny_model_dir), tp, sp))
 
 
+@pytest.mark.slow
 def test_tensor_and_sequence_parallel_together_match_one_process(tmp_path):
     from dagrl.engines.models import write_tiny_model
 

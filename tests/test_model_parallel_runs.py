@@ -87,6 +87,7 @@ def test_torchrun_sequence_parallel_matches_one_worker(tmp_path, one_worker):
     assert_same_run(metrics(run_dir), one_worker)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["actor.tensor_parallel_size=2",
                                     "actor.sequence_parallel_size=2"], ids=["tp2", "sp2"])
 def test_ray_model_parallel_matches_one_worker(tmp_path, one_worker, layout):

@@ -99,6 +99,7 @@ def test_the_tiny_digit_reward_model_learns_its_target():
     assert scores[0] < scores[1] < scores[2], scores
 
 
+@pytest.mark.slow
 def test_the_reward_model_example_learns_from_the_reward_models_scores(tmp_path):
     """examples/reward_model.yaml: the policy's reward (the RM's score) rises."""
     cfg: Config = load_cli_config([str(EXAMPLE), f"trainer.run_dir={tmp_path / 'run'}", *FAST,
@@ -184,6 +185,7 @@ def test_a_missing_reward_model_directory_is_named_before_the_run_starts(tmp_pat
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_two_workers_sharding_the_reward_model_reproduce_one_worker(tmp_path):
     """The reward model FSDP2-sharded over 2 Ray workers (gloo) scores like the whole model on
     one: the same rewards and losses step by step."""

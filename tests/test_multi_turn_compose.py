@@ -237,7 +237,10 @@ def test_each_agent_is_credited_with_its_own_turns(tmp_path):
         mask, attention = batch[prefix + "response_mask"], batch[prefix + "response_attention_mask"]
         assert (attention >= mask).all() and batch[prefix + "token_level_scores"].shape == \
             mask.shape
-        assert batch[prefix + "prompt_ids"].shape[1] == cfg.data.max_prompt_length
+    # the solver's prompts are the dataset's (data.max_prompt_length wide), the checker's the
+    # solver's episodes: as wide as the longest of them, not cut or bounded by the dataset's limit
+    assert batch["prompt_ids"].shape[1] == cfg.data.max_prompt_length
+    assert batch["checker/prompt_mask"].sum(-1).max() == batch["checker/prompt_ids"].shape[1]
     # the checker's episodes are not the solver's, and each policy took its own update
     assert not torch.equal(batch["responses"], batch["checker/responses"])
     assert worker.engines.actor.version == worker.model_engines["checker"].actor.version == 1

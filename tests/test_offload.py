@@ -71,6 +71,7 @@ def test_every_fsdp_unit_gets_the_offload_policy(tiny_model_dir):
         assert units >= 3 and offloaded     # the decoder layers and the root
 
 
+@pytest.mark.slow
 def test_two_offloaded_workers_match_one_worker_across_a_resume(tmp_path):
     assert_resumed_run_matches_one_worker(tmp_path, 2, SMALL,
                                           ["actor.offload=true", "ref.offload=true"], COMPARED)

@@ -28,6 +28,9 @@ from dagrl.device import ray_device_type, ray_worker_envs
 from dagrl.runtime.launch import launch
 from tests.ray_cluster import env, two_node_cluster
 
+# Each test starts Ray clusters of its own (slow marker: `pytest -m slow`).
+pytestmark = pytest.mark.slow
+
 HEAD = {"num_cpus": 2, "num_gpus": 2, "resources": {"node_head": 1}}
 WORKER = {"num_cpus": 2, "num_gpus": 2, "resources": {"NPU": 2, "node_second": 1}}
 # One quick step per run: 4 prompts x 2 samples, 4 new tokens.

@@ -74,6 +74,7 @@ def test_torchrun_two_workers_match_one_worker_with_reward_on_one_rank_and_memor
     assert "timing/reshard_reward_s" in ours[0] and "timing/balance_actor_update_s" in ours[0]
 
 
+@pytest.mark.slow
 def test_ray_two_workers_match_and_a_failing_worker_stops_the_run(tmp_path, one_worker_run):
     from dagrl.runtime.ray_launcher import WorkerFailed
 
@@ -128,7 +129,7 @@ def _loader_shards(rank, world, files, restore_at):
     return epoch0, expected, resumed, ordered.source.row_groups_read
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_dataloader_shards_are_disjoint_cover_the_epoch_and_resume(world, arith_files):
     files = [str(arith_files["train"])]    # 400 rows in row groups of 64
     results = run_distributed(_loader_shards, world, files, 10)

@@ -39,6 +39,7 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_both_policies_learn_and_each_logs_its_own_loss(tmp_path):
     history = launch(config(tmp_path / "run", "trainer.total_steps=40"))
     assert len(history) == 40

@@ -19,7 +19,7 @@ from dataclasses import replace
 from typing import Protocol
 
 from dagrl.config.schema import Config
-from dagrl.dag.spec import USE_ALGORITHM, GraphError, GraphSpec, NodeSpec
+from dagrl.dag.spec import USE_ALGORITHM, USE_REWARD, GraphError, GraphSpec, NodeSpec
 from dagrl.registry import Registry
 
 # The role of the `reward` node for each reward.source (roles/score.py, roles/model_reward.py).
@@ -120,16 +120,20 @@ def training_nodes(cfg: Config, rollout: RolloutTraits, after: tuple[str, ...], 
 GRAPH_SHAPES: dict[str, dict[str, bool]] = {}
 
 
-def expand_algorithm_nodes(graph: GraphSpec, config_of: Callable[[str], Config],
-                           traits_of: Callable[[Config], RolloutTraits]) -> GraphSpec:
-    """Replace each `use: algorithm` node of a hand-written graph (dag/spec.py) by the training
-    nodes of its policy's algorithm (`config_of(model).algorithm.name`); a node that depended
-    on it depends on the policy's updates.
+def expand_use_nodes(graph: GraphSpec, config_of: Callable[[str], Config],
+                     traits_of: Callable[[Config], RolloutTraits]) -> GraphSpec:
+    """Replace each `use: reward` node of a hand-written graph (dag/spec.py) by the role of its
+    policy's reward.source, and each `use: algorithm` node by the training nodes of its
+    policy's algorithm (`config_of(model).algorithm.name`); a node that depended on the latter
+    depends on the policy's updates.
 
     DAPO's filter drops groups of the batch, which every policy shares (an extra model answers
     each of the main policy's samples once): the main policy's algorithm filters, and an extra
     model whose algorithm filters too trains on the groups the main filter kept (its nodes
     follow that filter)."""
+    graph = GraphSpec(graph.name, tuple(
+        replace(n, role=REWARD_ROLES[config_of(n.model).reward.source])
+        if n.role == USE_REWARD else n for n in graph.nodes))
     macros = [n for n in graph.nodes if n.role == USE_ALGORITHM]
     if not macros:
         return graph

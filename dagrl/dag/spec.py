@@ -12,11 +12,14 @@ Written in YAML:
 A node may name the policy it uses (`model: refiner`, one of the config's `models`; see
 dagrl/config/models.py); without it, the main policy.
 
-`use: algorithm` in place of a role stands for the training nodes of the policy's configured
-algorithm after its reward, as the built-in graph has them (DAPO's filter, old_logprob,
-ref_logprob, PPO's values, kl_penalty, advantage, actor_update, critic_update; see
-dag/builtin.py), so a hand-written graph runs whichever algorithm the config names:
+`use:` in place of a role stands for what the policy's config picks, as the built-in graphs
+have it (dag/builtin.py), so a hand-written graph runs whichever reward source and algorithm
+the config names: `use: reward` is the node that scores (reward.source: rule scorers, a reward
+model or a judge), `use: algorithm` the training nodes of the configured algorithm after the
+reward (DAPO's filter, old_logprob, ref_logprob, PPO's values, kl_penalty, advantage,
+actor_update, critic_update):
 
+      - {id: reward, use: reward, deps: [rollout]}
       - {id: train, use: algorithm, deps: [reward]}
       - {id: refiner_train, use: algorithm, model: refiner, deps: [refiner_reward]}
 
@@ -69,8 +72,11 @@ class GraphSpec:
 
 
 _NODE_KEYS = {"id", "role", "deps", "options", "model"}
-# The role of a `use: algorithm` node until the planner expands it (dag/builtin.py).
+# The role of a `use: algorithm` / `use: reward` node until the planner expands it
+# (dag/builtin.py).
 USE_ALGORITHM = "use: algorithm"
+USE_REWARD = "use: reward"
+USES = {"algorithm": USE_ALGORITHM, "reward": USE_REWARD}
 
 
 def graph_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> GraphSpec:
@@ -84,11 +90,11 @@ def graph_from_dict(data: Mapping[str, Any], source: str = "<dict>") -> GraphSpe
     for i, raw in enumerate(data["nodes"] or []):
         if not isinstance(raw, Mapping) or "id" not in raw or ("role" in raw) == ("use" in raw):
             raise GraphError(f"{source}: node #{i} must be a mapping with 'id' and one of "
-                             "'role' or 'use: algorithm'")
-        if "use" in raw and raw["use"] != "algorithm":
-            raise GraphError(f"{source}: node {raw['id']!r}: use must be 'algorithm', got "
-                             f"{raw['use']!r}")
-        role = str(raw["role"]) if "role" in raw else USE_ALGORITHM
+                             "'role' or 'use' (algorithm, reward)")
+        if "use" in raw and raw["use"] not in USES:
+            raise GraphError(f"{source}: node {raw['id']!r}: use must be one of "
+                             f"{', '.join(USES)}, got {raw['use']!r}")
+        role = str(raw["role"]) if "role" in raw else USES[raw["use"]]
         extra = set(raw) - _NODE_KEYS - {"use"}
         if extra:
             raise GraphError(f"{source}: node {raw['id']!r} has unknown key(s) {sorted(extra)} "

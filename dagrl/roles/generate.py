@@ -17,6 +17,7 @@ import zlib
 import torch
 
 from dagrl.data.batch import RESPONSE_ATTENTION_MASK, Batch
+from dagrl.roles.multi_model import agreed_width, left_pad
 from dagrl.roles.registry import NodeContext, register_role
 from dagrl.roles.score import decode_responses
 from dagrl.rollout.sampling import SamplingParams, mix_seed
@@ -85,6 +86,10 @@ def _multi_turn(ctx: NodeContext, batch: Batch, params: SamplingParams) -> Batch
     out = agent.generate(agent_rows(batch), batch["sample_seed"], params,
                          batch["prompt_ids"].device)
     batch["prompt_ids"], batch["prompt_mask"] = out.prompt_ids, out.prompt_mask
+    if agent.prompt_width is None:   # handed on from another policy: as wide as the ranks' widest
+        batch["prompt_ids"], batch["prompt_mask"] = left_pad(
+            out.prompt_ids, out.prompt_mask, agreed_width(ctx, out.prompt_ids.shape[1]),
+            agent.pad_token_id)
     batch["responses"] = out.responses
     batch["response_mask"] = out.response_mask
     batch[RESPONSE_ATTENTION_MASK] = out.attention_mask

@@ -112,7 +112,7 @@ def handoff(ctx: NodeContext, batch: Batch) -> Batch:
                for p, r in zip(batch["prompt"], texts, strict=True)]
     tokenizer = ctx.model_engines[to].tokenizer
     encoded = [encode_prompt(tokenizer, p) for p in prompts]
-    width = max(len(e) for e in encoded)
+    width = agreed_width(ctx, max(len(e) for e in encoded))
     ids = torch.full((len(batch), width), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for i, e in enumerate(encoded):
@@ -123,6 +123,25 @@ def handoff(ctx: NodeContext, batch: Batch) -> Batch:
     batch[prefix + "prompt_ids"] = ids.to(batch["prompt_ids"].device)
     batch[prefix + "prompt_mask"] = mask.to(batch["prompt_mask"].device)
     return batch
+
+
+def agreed_width(ctx: NodeContext, width: int) -> int:
+    """The widest of the node's ranks' `width`s: prompts handed on from another policy's
+    answers are as wide as the longest one (no dataset limit bounds them), and the ranks'
+    batches are concatenated later (reshards, balancing), so every rank pads to one width."""
+    widths = torch.zeros(ctx.world_size, dtype=torch.float64)
+    widths[ctx.rank] = width
+    return int(ctx.reduce_sum(widths).max())
+
+
+def left_pad(ids: torch.Tensor, mask: torch.Tensor, width: int, pad_token_id: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompts [N, P] -> [N, width] (width >= P), still left-padded."""
+    extra = width - ids.shape[1]
+    if extra <= 0:
+        return ids, mask
+    return (torch.nn.functional.pad(ids, (extra, 0), value=pad_token_id),
+            torch.nn.functional.pad(mask, (extra, 0), value=0))
 
 
 @register_role("mix_rewards", engines=())

@@ -19,7 +19,7 @@ import dagrl.roles.update  # noqa: F401
 from dagrl.config.models import model_config
 from dagrl.config.schema import Config
 from dagrl.dag.async_placement import AsyncSides, place_async
-from dagrl.dag.builtin import BUILTIN_GRAPHS, expand_algorithm_nodes
+from dagrl.dag.builtin import BUILTIN_GRAPHS, expand_use_nodes
 from dagrl.dag.planner import PlanSizes, RankPlan, make_plan
 from dagrl.dag.spec import GraphError, GraphSpec, load_graph_yaml, validate_graph
 from dagrl.registry import Registry
@@ -39,8 +39,8 @@ def build_graph(cfg: Config) -> GraphSpec:
     rollout = rollout_backend(cfg)
     name = cfg.dag.graph or cfg.algorithm.name
     if name.endswith((".yaml", ".yml")) or os.sep in name:
-        # `use: algorithm` nodes become each policy's algorithm's training nodes
-        return expand_algorithm_nodes(load_graph_yaml(name), lambda m: model_config(cfg, m),
+        # `use:` nodes become what each policy's reward.source and algorithm name
+        return expand_use_nodes(load_graph_yaml(name), lambda m: model_config(cfg, m),
                                       rollout_backend)
     return BUILTIN_GRAPHS.get(name)(cfg, rollout)
 

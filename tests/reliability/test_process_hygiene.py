@@ -75,6 +75,7 @@ def kill_mid_run_and_watch(cmd: list[str], run_dir: Path, log: Path) -> dict:
         raise
 
 
+@pytest.mark.slow
 def test_killed_ray_driver_stops_its_workers_and_ray(tmp_path):
     run_dir = tmp_path / "run"
     result = kill_mid_run_and_watch(
@@ -94,6 +95,7 @@ def test_killed_ray_driver_stops_its_workers_and_ray(tmp_path):
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{newest:08d}'}" in proc.stdout
 
 
+@pytest.mark.slow
 def test_killed_torchrun_agent_stops_its_workers(tmp_path):
     run_dir = tmp_path / "run"
     result = kill_mid_run_and_watch(torchrun_cmd(f"trainer.run_dir={run_dir}", *LONG),
@@ -104,6 +106,7 @@ def test_killed_torchrun_agent_stops_its_workers(tmp_path):
     assert result["stopped_s"] <= 1.0
 
 
+@pytest.mark.slow
 def test_second_run_on_a_live_directory_is_refused_and_a_dead_ones_lock_taken_over(tmp_path):
     run_dir = tmp_path / "run"
     first = start(dagrl_cmd("train", f"trainer.run_dir={run_dir}", *LONG),
@@ -136,6 +139,7 @@ def test_second_run_on_a_live_directory_is_refused_and_a_dead_ones_lock_taken_ov
     assert (run_dir / LOCK_FILE).read_text() == ""   # released cleanly: no holder recorded
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_ray_driver_shuts_everything_down(tmp_path):
     run_dir = tmp_path / "run"
     driver = start(dagrl_cmd("train", f"trainer.run_dir={run_dir}", "trainer.n_workers=2",

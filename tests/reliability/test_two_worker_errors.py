@@ -32,6 +32,8 @@ def ray_cmd(*args: str) -> list[str]:
 
 
 LAUNCHERS = {"ray": ray_cmd, "torchrun": torchrun_cmd}
+# The Ray runs start a Ray instance each (slow marker: `pytest -m slow`).
+LAUNCHER_PARAMS = [pytest.param("ray", marks=pytest.mark.slow), "torchrun"]
 
 
 def bad_input(tmp_path, kind: str) -> tuple[list[str], str, str]:
@@ -97,7 +99,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("launcher", LAUNCHER_PARAMS)
 def test_a_worker_failing_mid_run_is_one_line_and_a_logged_traceback(tmp_path, launcher):
     """Rank 1 fails at step 1; rank 0 then fails too (its peer is gone), but rank 1's error is
     the line shown, with a hint; both tracebacks are in dagrl.log; no process is left."""
