@@ -14,6 +14,7 @@ their rollout engine in place, so no second full copy of the model is held.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -158,6 +159,19 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
     return engines
 
 
+def _with_model_context(cfg: Config) -> Config:
+    """`cfg` with rollout.vllm.max_model_len the model's own context window. vLLM fixes its
+    context at start, by default to data.max_prompt_length + rollout.max_new_tokens; prompts
+    handed on from another policy's answers are longer than the dataset's ('maximum context
+    length is 38 tokens. However, your prompt contains 63 input tokens')."""
+    from transformers import AutoConfig
+
+    window = AutoConfig.from_pretrained(cfg.model.path, local_files_only=True
+                                        ).get_text_config().max_position_embeddings
+    vllm = dataclasses.replace(cfg.rollout.vllm, max_model_len=window)
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, vllm=vllm))
+
+
 def _prepare_host(cfg: Config, layout: EngineLayout, device: torch.device) -> None:
     """CPU workers, before any model is allocated: how malloc keeps and maps memory
     (engines/host_memory.py)."""
@@ -226,6 +240,8 @@ class _Build:
         first update) and, with rollout.multi_turn, the agent loop over it (prompts as wide as
         the batch's longest when they are handed on from another policy)."""
         cfg = self.cfg
+        if handed_prompts and cfg.rollout.backend == "vllm" and not cfg.rollout.vllm.max_model_len:
+            cfg = _with_model_context(cfg)
         # One worker: the copy is built from the whole actor (or is the actor itself).
         whole = actor.model if actor is not None and self.layout.whole_actor else None
         mt = cfg.rollout.multi_turn
