@@ -511,11 +511,8 @@ def _matrix_table(matrix: Matrix) -> str:
 
 def _runs(matrix: Matrix) -> str:
     out = ["## Runs", "",
-           "Status (2026-11-26): these runs are not in CI yet. Their first passes found runtime "
-           "failures (a second policy's multi-turn prompts checked against "
-           "data.max_prompt_length; `dag.graph` of `models` dropping PPO's KL node and DAPO's "
-           "filter; DAPO's filter keeping groups in rank order, so 2+ workers differ from 1; "
-           "torch.profiler crashing intermittently at 4 async workers), listed in issue 34.",
+           "Every run below trains 3 steps in CI (.ci/run: `pytest -m composition` in the main "
+           "venv, `pytest -m \"vllm and composition\"` in the vLLM venv).",
            "",
            "Parity: the run equals the named 1-worker run at this relative "
            "tolerance, step by step.", "", "| run | workers | levels | parity |",
