@@ -128,7 +128,7 @@ def test_exchange_delivers_every_sample_once(world):
         assert sorted(seen) == sorted(before)         # exactly once
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_node_on_a_subset_of_ranks_round_trip(world):
     results = results_for(world)["reshard"]
     sizes = [6, 0, 4, 8][:world]

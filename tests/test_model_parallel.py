@@ -78,7 +78,9 @@ def _assert_match(reference: dict, per_rank: list[dict]) -> None:
                 assert np.abs(got - want).max() <= 1e-5 * scale, (case, name)
 
 
-@pytest.mark.parametrize("tp,sp", [(2, 1), (1, 2)], ids=["tp2", "sp2"])
+# SP's 2-process parity runs in the main suite through torchrun (test_model_parallel_runs.py).
+@pytest.mark.parametrize("tp,sp", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)],
+                         ids=["tp2", "sp2"])
 def test_parallel_model_matches_one_process(tiny_model_dir, tp, sp):
     # tiny-qwen2: 2 query heads sharing 1 KV head, so TP=2 replicates the KV head and SP=2
     # repeats it; the vocabulary (48) splits over the TP ranks.

@@ -24,7 +24,9 @@ def _replicate(rank, world, sizes, group_size):
     return fingerprint(shard), fingerprint(there), list(there["uid"]), fingerprint(back)
 
 
-@pytest.mark.parametrize("sizes", [(6, 10, 0, 4), (8, 8, 8, 8)], ids=["uneven", "even"])
+@pytest.mark.parametrize("sizes", [(6, 10, 0, 4),
+                                   pytest.param((8, 8, 8, 8), marks=pytest.mark.slow)],
+                         ids=["uneven", "even"])
 def test_every_sample_reaches_each_rank_of_one_replica_once(sizes):
     world, group_size = 4, 2
     results = run_distributed(_replicate, world, sizes, group_size)

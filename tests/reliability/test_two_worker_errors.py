@@ -74,7 +74,7 @@ def launch(cmd: list[str], timeout: float = 300):
 
 
 @pytest.mark.parametrize("kind", ["data", "graph", "config"])
-@pytest.mark.parametrize("launcher", LAUNCHERS)
+@pytest.mark.parametrize("launcher", LAUNCHER_PARAMS)
 def test_bad_input_with_two_workers_is_one_line(tmp_path, launcher, kind):
     overrides, error, shown = bad_input(tmp_path, kind)
     proc, _ = launch(LAUNCHERS[launcher](f"trainer.run_dir={tmp_path / 'run'}", *SMALL,
