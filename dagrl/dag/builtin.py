@@ -10,6 +10,10 @@ A graph function receives the config because a node's presence can depend on it:
 reference model is only built (and its node only planned) when a KL term uses it. It also
 receives the rollout backend's declared capabilities (`RolloutTraits`), which the caller looks up
 (`dagrl.rollout.rollout_backend(cfg)`, in roles/plan.py): dag/ sits below rollout/ and cannot.
+
+The part from the reward on (`training_nodes`) is also what a hand-written graph's
+`use: algorithm` node stands for (`expand_use_nodes`), so YAML graphs of several policies get
+each policy's algorithm without copying its nodes.
 """
 
 from __future__ import annotations
