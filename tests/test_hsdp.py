@@ -44,6 +44,7 @@ def _gather(rank, world, model_dir, shard_size):
     return mismatched, sorted(set(groups)), hsdp
 
 
+@pytest.mark.slow
 def test_hsdp_weight_sync_gathers_inside_the_shard_group(tiny_model_dir):
     results = run_distributed(_gather, 4, str(tiny_model_dir), 2)
     for mismatched, group_sizes, hsdp in results:

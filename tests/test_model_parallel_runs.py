@@ -97,6 +97,7 @@ def test_ray_model_parallel_matches_one_worker(tmp_path, one_worker, layout):
     assert_same_run(metrics(run_dir), one_worker)
 
 
+@pytest.mark.slow
 def test_torchrun_ppo_critic_under_tensor_parallel_matches_one_worker(tmp_path):
     # the critic (and its value head) on the same mesh: values, its loss and gradient norm
     ppo = ["algorithm.name=ppo"]

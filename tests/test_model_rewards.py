@@ -88,6 +88,7 @@ def test_a_reward_model_with_two_labels_is_refused(tmp_path):
         load_reward_model(str(path), "float32", torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_the_tiny_digit_reward_model_learns_its_target():
     model, tokenizer, error = train_tiny_digit_rm(steps=300)
     assert error < 0.05

@@ -77,6 +77,7 @@ def test_two_offloaded_workers_match_one_worker_across_a_resume(tmp_path):
                                           ["actor.offload=true", "ref.offload=true"], COMPARED)
 
 
+@pytest.mark.slow
 def test_two_workers_with_an_offloaded_critic_match_one_worker(tmp_path):
     ppo = [*SMALL, "algorithm.name=ppo", "trainer.total_steps=2"]
     one = tmp_path / "one"

@@ -68,7 +68,8 @@ DAMAGE = {
 }
 
 
-@pytest.mark.parametrize("damage", DAMAGE)
+@pytest.mark.parametrize("damage", ["truncated-shard",
+                                    pytest.param("missing-metadata", marks=pytest.mark.slow)])
 def test_resume_falls_back_to_the_previous_complete_checkpoint(finished, tmp_path, damage):
     run_dir = copy_run(finished, tmp_path)
     DAMAGE[damage](step_dir(run_dir, 3))
@@ -114,7 +115,9 @@ def test_no_loadable_checkpoint_is_one_error_line(finished, tmp_path):
     assert metrics(run_dir) == finished[1]          # nothing trained from scratch over it
 
 
-@pytest.mark.parametrize("damage", ["half-truncated-shard", "missing-metadata", "flipped-byte"])
+@pytest.mark.parametrize("damage", ["half-truncated-shard",
+                                    pytest.param("missing-metadata", marks=pytest.mark.slow),
+                                    pytest.param("flipped-byte", marks=pytest.mark.slow)])
 def test_export_refuses_a_damaged_checkpoint(finished, tmp_path, damage):
     run_dir = copy_run(finished, tmp_path)
     ckpt = step_dir(run_dir, 3)

@@ -73,7 +73,8 @@ def launch(cmd: list[str], timeout: float = 300):
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err), seen
 
 
-@pytest.mark.parametrize("kind", ["data", "graph", "config"])
+@pytest.mark.parametrize("kind", ["data", pytest.param("graph", marks=pytest.mark.slow),
+                                  pytest.param("config", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("launcher", LAUNCHER_PARAMS)
 def test_bad_input_with_two_workers_is_one_line(tmp_path, launcher, kind):
     overrides, error, shown = bad_input(tmp_path, kind)
