@@ -74,6 +74,7 @@ def _tp_against_one(rank, world, model_dir):
     return {k: float((tp[k].double() - one[k].double()).abs().max()) for k in one}, trained
 
 
+@pytest.mark.slow
 def test_adapters_split_with_their_base_compute_the_one_device_model(tiny_model_dir):
     per_rank = run_distributed(_tp_against_one, 2, str(tiny_model_dir))
     for diffs, trained in per_rank:

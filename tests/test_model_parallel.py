@@ -78,7 +78,7 @@ def _assert_match(reference: dict, per_rank: list[dict]) -> None:
                 assert np.abs(got - want).max() <= 1e-5 * scale, (case, name)
 
 
-# SP's 2-process parity runs in the main suite through torchrun (test_model_parallel_runs.py).
+# SP's 2-process parity: -m slow here and in test_model_parallel_runs.py, -m composition.
 @pytest.mark.parametrize("tp,sp", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)],
                          ids=["tp2", "sp2"])
 def test_parallel_model_matches_one_process(tiny_model_dir, tp, sp):
