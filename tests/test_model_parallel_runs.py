@@ -79,7 +79,7 @@ def test_torchrun_tensor_parallel_matches_one_worker_and_resumes_with_one(tmp_pa
     assert_same_run(metrics(resumed), one_worker[2:4])
 
 
-@pytest.mark.slow   # SP parity under the main suite's time: the composition matrix (runs 15/16)
+@pytest.mark.slow   # SP parity is also in the composition matrix (runs 15/16)
 def test_torchrun_sequence_parallel_matches_one_worker(tmp_path, one_worker):
     # with the memory features on: layers recomputed in backward, the LM head in chunks
     run_dir = tmp_path / "sp"
