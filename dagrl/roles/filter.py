@@ -30,19 +30,17 @@ def filter_groups(ctx: NodeContext, batch: Batch) -> Batch:
     rounds. Every rank takes the same decisions, from globally summed counts."""
     algo, target = ctx.config.algorithm, ctx.config.data.train_batch_size
     rounds_kept = [_with_variance(batch)]    # this rank's kept groups, round by round
-    generated = _count_groups(batch)
+    kept, generated = _count_groups(rounds_kept[0]), _count_groups(batch)
     while True:
-        counts = ctx.reduce_sum(torch.tensor(
-            [sum(_count_groups(b) for b in rounds_kept), generated], dtype=torch.float64))
+        counts = ctx.reduce_sum(torch.tensor([kept, generated], dtype=torch.float64))
         total = int(counts[0])
         if total >= target or len(rounds_kept) >= algo.filter_max_rounds or ctx.more is None:
             break
         fresh = ctx.more()
-        generated += _count_groups(fresh)
         rounds_kept.append(_with_variance(fresh))
+        kept, generated = kept + _count_groups(rounds_kept[-1]), generated + _count_groups(fresh)
     ctx.metrics.add_max("filter/rounds", len(rounds_kept))
-    ctx.metrics.add_mean("filter/keep_rate", sum(_count_groups(b) for b in rounds_kept),
-                         generated)
+    ctx.metrics.add_mean("filter/keep_rate", kept, generated)
     keep = target
     if total < target:
         if algo.filter_on_cap == "error" or total < ctx.world_size:
@@ -52,9 +50,9 @@ def filter_groups(ctx: NodeContext, batch: Batch) -> Batch:
                 f"{algo.filter_max_rounds}); raise it, or set algorithm.filter_on_cap=partial")
         keep = total - total % ctx.world_size   # equal group counts per rank for the update
         ctx.engines.log(f"filter: training on a partial batch of {keep}/{target} groups")
-    kept = _first_groups(ctx, rounds_kept, keep)
-    ctx.metrics.add_sum("filter/groups_kept", _count_groups(kept))
-    return kept
+    batch = _first_groups(ctx, rounds_kept, keep)
+    ctx.metrics.add_sum("filter/groups_kept", _count_groups(batch))
+    return batch
 
 
 def _with_variance(batch: Batch) -> Batch:
