@@ -16,6 +16,7 @@ physical reason recorded in the doc; as refusals are lifted the matrix follows o
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import random
@@ -38,8 +39,13 @@ HARD_WEIGHT = 100
 COMMON = ("logging.progress_bar=false", "logging.console_every=1000", "trainer.torch_threads=1",
           "trainer.total_steps=3", "data.train_batch_size=8", "actor.mini_batch_size=8",
           "rollout.n=4", "rollout.max_new_tokens=6")
+# The default tiny model's 2 query heads split over tp or sp, not over both (tp x sp = 4 ranks
+# per head group): a run with both trains a 4-head model, and so does its 1-worker reference.
+# Hidden 128 keeps the head size at 32, the smallest vLLM's CPU attention runs.
+WIDE_FACTORS = frozenset({"tp", "sp"})
+WIDE_MODEL = ("model.tiny_hidden_size=128", "model.tiny_heads=4")
 # World sizes a run may have; a run gets the smallest its levels allow and the components accept.
-WORLD_SIZES = (1, 2, 4)
+WORLD_SIZES = (1, 2, 4, 8)
 # The parity check's tolerance where a run's levels declare none: the tensor/sequence-parallel
 # runs' (tests/test_model_parallel_runs.py).
 EXACT = 1e-5
@@ -72,6 +78,9 @@ class Level:
     vllm: bool = False
     # Seconds it adds to a run per worker (measured here): the covering array's cost model.
     cost: float = 0.0
+    # A feature of the matrix, paired with the others. False: the 1-worker baseline every
+    # layout run is checked against (its pairs are not features' pairs; see HEADER).
+    paired: bool = True
 
     @property
     def key(self) -> str:
@@ -99,11 +108,13 @@ FACTORS: dict[str, tuple[Level, ...]] = {
                                     "rollout.server.frozen_policy=true"), vllm=True),
     ),
     "launcher": (
-        Level("launcher", "in-process", kind="launcher", worlds=(1,)),
+        # One worker in the test's process: the baseline of the parity checks, not a feature
+        # (the issue's list has 2 workers under Ray and under torchrun); it is not paired.
+        Level("launcher", "in-process", kind="launcher", worlds=(1,), paired=False),
         # 2 workers (4 where a level needs them); the runtime parity tests' tolerance
         # (tests/test_runtime.py, tests/test_hsdp.py, tests/test_offload.py).
-        Level("launcher", "ray", kind="launcher", worlds=(2, 4), rel=1e-4),
-        Level("launcher", "torchrun", kind="launcher", worlds=(2, 4), rel=1e-4),
+        Level("launcher", "ray", kind="launcher", worlds=(2, 4, 8), rel=1e-4),
+        Level("launcher", "torchrun", kind="launcher", worlds=(2, 4, 8), rel=1e-4),
     ),
     "reward": (
         Level("reward", "rule", ("reward.source=rule",)),
@@ -161,6 +172,7 @@ FACTORS: dict[str, tuple[Level, ...]] = {
 # launcher, reward source and algorithm); the others may be off.
 REQUIRED = ("backend", "launcher", "reward", "algorithm")
 LEVELS: tuple[Level, ...] = tuple(lv for levels in FACTORS.values() for lv in levels)
+PAIRED: tuple[Level, ...] = tuple(lv for lv in LEVELS if lv.paired)
 BY_KEY = {lv.key: lv for lv in LEVELS}
 
 
@@ -170,8 +182,10 @@ def default_levels() -> dict[str, Level]:
 
 @dataclass(frozen=True)
 class Combination:
-    """A set of levels, at most one per factor, with each required factor's default filled in."""
+    """A set of levels, at most one per factor, with each required factor's default filled in.
+    `wide`: the run trains the 4-head tiny model (WIDE_MODEL)."""
     levels: tuple[Level, ...]
+    wide: bool = False
 
     @classmethod
     def of(cls, levels: Iterable[Level]) -> Combination:
@@ -179,7 +193,8 @@ class Combination:
         for lv in levels:
             chosen[lv.factor] = lv
         order = {f: i for i, f in enumerate(FACTORS)}
-        return cls(tuple(sorted(chosen.values(), key=lambda lv: order[lv.factor])))
+        return cls(tuple(sorted(chosen.values(), key=lambda lv: order[lv.factor])),
+                   wide=chosen.keys() >= WIDE_FACTORS)
 
     @property
     def launcher(self) -> Level:
@@ -202,29 +217,30 @@ class Combination:
         return max(sizes) >= max(lv.min_workers for lv in self.levels)
 
     def overrides(self, world: int, resources: dict[str, str] | None = None) -> list[str]:
-        out = [*COMMON, *(o for lv in self.levels for o in lv.overrides),
-               f"trainer.n_workers={world}"]
+        out = [*COMMON, *(WIDE_MODEL if self.wide else ()),
+               *(o for lv in self.levels for o in lv.overrides), f"trainer.n_workers={world}"]
         for name, value in (resources or {}).items():   # str.replace: the judge's template
             out = [o.replace("{" + name + "}", value) for o in out]   # has {prompt} of its own
         return out
 
     def without_layouts(self) -> Combination:
         """The same levels without the layouts and launcher: what 1 worker in this process
-        must compute alike."""
-        return Combination.of(lv for lv in self.levels if lv.kind in ("semantic", "observer"))
+        must compute alike (on the same model)."""
+        levels = (lv for lv in self.levels if lv.kind in ("semantic", "observer"))
+        return dataclasses.replace(Combination.of(levels), wide=self.wide)
 
     def rel(self) -> float:
         return max(lv.rel for lv in self.levels)
 
     @property
     def label(self) -> str:
-        return " ".join(lv.key for lv in self.levels)
+        return " ".join(lv.key for lv in self.levels) + (" (4-head model)" if self.wide else "")
 
 
 # A run's seconds by launcher and world size, before its levels' own costs (measured on this
 # machine: 2 cores, 3 steps of the tiny task).
-COST_S = {("in-process", 1): 2.0, ("ray", 2): 27.0, ("ray", 4): 35.0, ("torchrun", 2): 22.0,
-          ("torchrun", 4): 35.0}
+COST_S = {("in-process", 1): 2.0, ("ray", 2): 27.0, ("ray", 4): 35.0, ("ray", 8): 90.0,
+          ("torchrun", 2): 22.0, ("torchrun", 4): 35.0, ("torchrun", 8): 75.0}
 
 
 # --- asking the components -------------------------------------------------------------------
@@ -295,8 +311,8 @@ Pair = tuple[Level, Level]
 
 
 def all_pairs() -> list[Pair]:
-    """Every pair of levels of two different factors, in declaration order."""
-    return [(a, b) for a, b in itertools.combinations(LEVELS, 2) if a.factor != b.factor]
+    """Every pair of paired levels of two different factors, in declaration order."""
+    return [(a, b) for a, b in itertools.combinations(PAIRED, 2) if a.factor != b.factor]
 
 
 def pair_refusal(pair: Pair) -> str | None:
@@ -337,7 +353,7 @@ class Run:
 
 def _pairs_of(levels: Iterable[Level]) -> set[Pair]:
     rank = {lv: i for i, lv in enumerate(LEVELS)}
-    ordered = sorted(levels, key=rank.__getitem__)
+    ordered = sorted((lv for lv in levels if lv.paired), key=rank.__getitem__)
     return {(a, b) for a, b in itertools.combinations(ordered, 2) if a.factor != b.factor}
 
 
@@ -493,17 +509,18 @@ def _features() -> str:
     for lv in LEVELS:
         text = " ".join(f"`{o}`" for o in lv.overrides) or "(none)"
         worlds = f" ({'/'.join(map(str, lv.worlds))} worker(s))" if lv.worlds else ""
-        out.append(f"| {lv.key} | {lv.kind}{worlds} | {_one_line(text)} |")
+        baseline = "" if lv.paired else ", the baseline: not paired"
+        out.append(f"| {lv.key} | {lv.kind}{worlds}{baseline} | {_one_line(text)} |")
     return "\n".join(out)
 
 
 def _matrix_table(matrix: Matrix) -> str:
     out = ["## Matrix", "", "Row and column *i* are level *i*. A number: the run that trains the "
            "pair first; ✗: refused (see below); ·: two levels of one factor.", "",
-           "| | " + " | ".join(str(i + 1) for i in range(len(LEVELS))) + " |",
-           "|---" * (len(LEVELS) + 1) + "|"]
-    for i, a in enumerate(LEVELS):
-        out.append(f"| {i + 1} {a.key} | " + " | ".join(_cell(matrix, a, b) for b in LEVELS)
+           "| | " + " | ".join(str(i + 1) for i in range(len(PAIRED))) + " |",
+           "|---" * (len(PAIRED) + 1) + "|"]
+    for i, a in enumerate(PAIRED):
+        out.append(f"| {i + 1} {a.key} | " + " | ".join(_cell(matrix, a, b) for b in PAIRED)
                    + " |")
     out += ["", f"refused pairs: {len(matrix.refused)} of {len(matrix.pairs)}"]
     return "\n".join(out)
@@ -566,6 +583,14 @@ policy on 127.0.0.1 that the test starts.
 
 Kinds: *semantic* changes what a step computes; *layout* only where and how (the run must
 reproduce 1 worker); *observer* records (validation, the profiler: kept in the 1-worker run);
-*launcher* starts the workers (in-process: 1 worker; Ray and torchrun: 2, or 4 where a level
-needs them).
+*launcher* starts the workers (in-process: 1 worker; Ray and torchrun: 2, or 4 or 8 where the
+levels need them: HSDP under tensor parallelism is 2 replicas x 2 shards x tp 2).
+
+The features are those of issue 34's list: the rollout backends, async, the two multi-turn
+kinds, LoRA, TP, SP, HSDP, offload, a second policy, the reward sources, DAPO's filter, PPO's
+critic, validation, the profiler, and 2 workers under Ray and under torchrun. One worker in the
+test's process (launcher=in-process) is not a feature but the baseline every layout run is
+compared with: it runs (as the reference runs below) and is not paired. What it cannot hold is
+what one rank cannot: async (rollout and training on different ranks), TP, SP, HSDP and offload
+(shards over 2+ ranks) need 2 workers or more, which the components say in one line each.
 """

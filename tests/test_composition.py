@@ -81,7 +81,7 @@ class Resources:
 
         if not self.ray_started:
             os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=True,
+            ray.init(num_cpus=max(cm.WORLD_SIZES), include_dashboard=False, log_to_driver=True,
                      logging_level="WARNING")
             self.ray_started = True
 

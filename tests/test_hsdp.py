@@ -1,7 +1,8 @@
 """HSDP (trainer.fsdp_shard_size): models sharded within groups of ranks and replicated across
-them. The weight sync gathers from the rank's own group only and yields the full weights; a
-4-worker run with 2 groups of 2 reproduces the 1-worker run, also when it stops after a
-checkpoint and resumes from it."""
+them, with FSDP2 alone or on the tensor / sequence-parallel mesh (each tp slice sharded within
+groups of the dp x sp ranks). The weight sync gathers from the rank's own group only and yields
+the full weights; a 4-worker run with 2 groups of 2 reproduces the 1-worker run, also when it
+stops after a checkpoint and resumes from it, and so does HSDP under tensor parallelism."""
 
 from __future__ import annotations
 
@@ -18,15 +19,20 @@ COMPARED = ["reward/mean", "response/length/mean", "actor/pg_loss", "actor/kl",
             "actor/entropy", "actor/grad_norm"]
 
 
-def _gather(rank, world, model_dir, shard_size):
+def _gather(rank, world, model_dir, shard_size, tp=1, sp=1):
     import torch
     import torch.distributed as dist
 
     from dagrl.engines import weight_sync
+    from dagrl.engines.mesh import build_train_mesh, parallelize_model
     from dagrl.engines.models import load_model
     from dagrl.engines.sharding import shard_model
 
-    model = shard_model(load_model(model_dir), world, "cpu", shard_size)
+    if tp * sp == 1:
+        model = shard_model(load_model(model_dir), world, "cpu", shard_size)
+    else:
+        mesh = build_train_mesh(world, tp, sp, "cpu", shard_size)
+        model = parallelize_model(load_model(model_dir), mesh)
     groups = []
     real = dist.all_gather_into_tensor
 
@@ -40,7 +46,9 @@ def _gather(rank, world, model_dir, shard_size):
                   if not torch.equal(ours[name], p.full_tensor())]
     from torch.distributed.tensor import Replicate, Shard
 
-    hsdp = all(tuple(p.placements) == (Replicate(), Shard(0)) for p in model.parameters())
+    # replicated over the groups, rows sharded within one (strided under a tp row split)
+    hsdp = all(p.placements[0] == Replicate() and (p.placements[1] == Shard(0) or getattr(
+        p.placements[1], "dim", None) == 0) for p in model.parameters())
     return mismatched, sorted(set(groups)), hsdp
 
 
@@ -59,17 +67,45 @@ def test_shard_size_must_divide_the_workers():
                                    "data.train_batch_size=8", "actor.mini_batch_size=8"])
 
 
-@pytest.mark.parametrize("parallel", ["actor.tensor_parallel_size=2",
-                                      "actor.sequence_parallel_size=2"])
-def test_shard_groups_are_refused_with_tensor_or_sequence_parallelism(parallel):
-    # HSDP's (replicate, shard) mesh is built for FSDP2 alone, not for the dp x sp x tp mesh
-    with pytest.raises(ConfigError, match=r"trainer.fsdp_shard_size \(2\) < trainer.n_workers "
-                                          r"\(4\) \(HSDP\) with actor.tensor_parallel_size"):
-        load_config(Config, None, ["trainer.n_workers=4", "trainer.fsdp_shard_size=2", parallel,
-                                   "data.train_batch_size=8", "actor.mini_batch_size=8"])
-    # a shard group of all the workers is plain FSDP2: accepted
-    load_config(Config, None, ["trainer.n_workers=4", "trainer.fsdp_shard_size=4", parallel,
-                               "data.train_batch_size=8", "actor.mini_batch_size=8"])
+@pytest.mark.parametrize("tp,sp", [(2, 1), (1, 2)], ids=["tp2", "sp2"])
+def test_hsdp_on_the_mesh_gathers_inside_the_shard_group(tiny_model_dir, tp, sp):
+    # 4 ranks, 2 data-parallel replicas of tp (or sp) 2. tp: FSDP2 shards each tp slice over
+    # 1 of the 2 dp ranks (the shard group), replicated over the other; sp: over the 2 sp
+    # ranks of a replica (dp_shard 1 x sp 2, flattened), replicated over the 2 replicas.
+    shard = 1 if tp > 1 else 2
+    for mismatched, group_sizes, hsdp in run_distributed(_gather, 4, str(tiny_model_dir), shard,
+                                                         tp, sp):
+        assert hsdp and mismatched == []
+        # tp: the rows need no gather (shard group of 1), the slices one over tp (2)
+        assert group_sizes == [2], group_sizes
+
+
+def _layout(overrides: list[str]):
+    from dagrl.engines.layout import EngineLayout
+
+    cfg = load_config(Config, None, ["data.train_batch_size=8", "actor.mini_batch_size=8",
+                                     *overrides])
+    return EngineLayout.of(cfg, cfg.trainer.n_workers, device_type="cpu")
+
+
+def test_shard_groups_on_the_mesh_are_groups_of_the_dp_x_sp_ranks():
+    tp = _layout(["trainer.n_workers=8", "trainer.fsdp_shard_size=2",
+                  "actor.tensor_parallel_size=2"])
+    assert (tp.mesh, tp.model_shard_size, tp.replicas) == ((4, 1, 2), 2, 2)
+    sp = _layout(["trainer.n_workers=4", "trainer.fsdp_shard_size=2",
+                  "actor.sequence_parallel_size=2"])
+    assert (sp.mesh, sp.model_shard_size, sp.replicas) == ((2, 2, 1), 2, 2)
+    # 4 workers under tp 2: FSDP2 shards each slice over 2 dp ranks; a shard size of 2 is all
+    # of them (no replica), so it is refused rather than read as plain FSDP2
+    with pytest.raises(ConfigError, match=r"trainer.fsdp_shard_size \(2\): under tensor "
+                                          r"parallelism \(2\) FSDP2 shards each slice over "
+                                          r"the 2 dp x sp ranks"):
+        _layout(["trainer.n_workers=4", "trainer.fsdp_shard_size=2",
+                 "actor.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match=r"must be a multiple of "
+                                          r"actor.sequence_parallel_size \(2\)"):
+        _layout(["trainer.n_workers=4", "trainer.fsdp_shard_size=1",
+                 "actor.sequence_parallel_size=2"])
 
 
 def test_shard_groups_are_refused_in_async_mode():
@@ -79,6 +115,16 @@ def test_shard_groups_are_refused_in_async_mode():
         load_config(Config, None, ["trainer.n_workers=4", "trainer.fsdp_shard_size=2",
                                    "trainer.mode=async", "trainer.val_before_train=false",
                                    "data.train_batch_size=8", "actor.mini_batch_size=8"])
+
+
+@pytest.mark.slow   # the composition matrix trains tp x hsdp on 8 workers (no resume)
+def test_hsdp_under_tensor_parallelism_matches_one_worker_across_a_resume(tmp_path):
+    # 4 workers: 2 replicas of tp 2, each tp slice whole on its rank (shard groups of 1) and
+    # replicated across the replicas (gradients all-reduced over the replicate dim); DCP
+    # writes and reads the 3-D (replicate, shard, tp) shards
+    assert_resumed_run_matches_one_worker(tmp_path, 4, SMALL, ["trainer.fsdp_shard_size=1",
+                                                               "actor.tensor_parallel_size=2"],
+                                          COMPARED)
 
 
 @pytest.mark.slow

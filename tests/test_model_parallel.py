@@ -286,3 +286,30 @@ def test_plan_refuses_a_mesh_the_model_cannot_split_and_vllm_tp_on_cpu(capsys, t
                                          r"parallelism needs GPUs"):
         VLLMRollout(VLLMSettings.from_config(cfg), torch.device("cpu"), eos_token_id=2,
                     pad_token_id=0)
+
+
+def test_the_builtin_model_with_four_heads_splits_over_tp_and_sp(tmp_path):
+    """model.tiny_heads: the built-in model's query heads (half as many KV heads). Its default
+    2 split over tp or sp, not both; 4 split over tp 2 x sp 2."""
+    from transformers import AutoConfig
+
+    from dagrl.config.loader import ConfigError, load_config
+    from dagrl.config.schema import Config
+    from dagrl.engines.models import resolve_builtin_model
+    from dagrl.runtime.preflight import check_model_parallel
+
+    both = ["trainer.n_workers=4", "actor.tensor_parallel_size=2",
+            "actor.sequence_parallel_size=2", "data.train_batch_size=8", "actor.mini_batch_size=8"]
+    with pytest.raises(ConfigError, match=r"actor.sequence_parallel_size=2 must divide the "
+                                          r"model's num_attention_heads \(2\) / "
+                                          r"tensor_parallel_size \(2\) \(builtin:tiny-qwen2\)"):
+        check_model_parallel(load_config(Config, None, both))
+    check_model_parallel(load_config(Config, None, [*both, "model.tiny_heads=4"]))
+    path = resolve_builtin_model("builtin:tiny-qwen2", tmp_path, hidden_size=128, layers=2,
+                                 seed=0, heads=4)
+    config = AutoConfig.from_pretrained(path)
+    assert (config.num_attention_heads, config.num_key_value_heads) == (4, 2)
+    assert path.endswith("tiny-qwen2-h128-l2-a4-s0")   # the default's name keeps no -a2
+    with pytest.raises(ConfigError, match=r"tiny_heads \(3\) must be even and divide "
+                                          r"tiny_hidden_size \(64\)"):
+        load_config(Config, None, ["model.tiny_heads=3"])

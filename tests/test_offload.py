@@ -33,12 +33,11 @@ COMPARED = ["reward/mean", "response/length/mean", "actor/pg_loss", "actor/kl",
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["actor.offload=true"], "actor.offload=true offloads FSDP2 shards: it needs "
+    (["actor.offload=true"], "actor.offload=true offloads FSDP2 shards, and one worker holds "
+                             r"its models whole \(nothing is sharded\); it needs "
                              "trainer.n_workers >= 2"),
     (["ref.offload=true"], "ref.offload=true offloads FSDP2 shards"),
     (["critic.offload=true"], "critic.offload=true offloads FSDP2 shards"),
-    (["actor.offload=true", "trainer.n_workers=2", "actor.mini_batch_size=32",
-      "actor.tensor_parallel_size=2"], r"actor.offload=true .* \(got 2 workers, tp 2, sp 1\)"),
     (["ref.offload=true", "trainer.n_workers=2", "actor.lora.rank=4"],
      "ref.offload=true with actor.lora.rank > 0: the reference is the actor with its adapters "
      "off"),
@@ -69,6 +68,30 @@ def _policies(rank, world, model_dir):
 def test_every_fsdp_unit_gets_the_offload_policy(tiny_model_dir):
     for units, offloaded in run_distributed(_policies, 2, str(tiny_model_dir)):
         assert units >= 3 and offloaded     # the decoder layers and the root
+
+
+def _policies_on_the_mesh(rank, world, model_dir):
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.tensor import DTensor
+
+    from dagrl.engines.mesh import build_train_mesh, parallelize_model
+    from dagrl.engines.models import load_model
+
+    mesh = build_train_mesh(world, 2, 1, "cpu")
+    model = parallelize_model(load_model(model_dir), mesh, offload=True)
+    units = [m for m in model.modules() if hasattr(m, "_get_fsdp_state")]
+    groups = [m._get_fsdp_state()._fsdp_param_group for m in units]
+    q = model.model.layers[0].self_attn.q_proj.weight
+    return (len(units), all(isinstance(g.offload_policy, CPUOffloadPolicy) for g in groups if g),
+            isinstance(q, DTensor) and q.device_mesh.mesh_dim_names)
+
+
+def test_tensor_parallel_slices_get_the_offload_policy(tiny_model_dir):
+    """Under tensor parallelism FSDP2 offloads its shards of each tp slice (a 2-D DTensor over
+    the dp and tp dimensions); 4 ranks: 2 replicas of tp 2."""
+    for units, offloaded, dims in run_distributed(_policies_on_the_mesh, 4, str(tiny_model_dir)):
+        assert units >= 3 and offloaded
+        assert dims == ("dp", "tp")
 
 
 @pytest.mark.slow

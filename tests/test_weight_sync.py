@@ -81,9 +81,9 @@ def _tp_sync(rank, world, model_dir, bucket_bytes):
 
     per_bucket, real_bucket = [], weight_sync._gather_bucket
 
-    def gather_bucket(bucket, tensor_parallel):
+    def gather_bucket(bucket, base, tensor_parallel):
         before = len(calls)
-        yield from real_bucket(bucket, tensor_parallel)
+        yield from real_bucket(bucket, base, tensor_parallel)
         per_bucket.append((tensor_parallel, [d for d, _ in calls[before:]]))
 
     dist.all_gather_into_tensor, DTensor.full_tensor = all_gather_into_tensor, full_tensor

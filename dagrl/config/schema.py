@@ -54,15 +54,22 @@ class ModelConfig:
     # holds a bfloat16 copy. Pays on GPUs and on CPUs with AVX512-BF16 or AMX (2.5x faster
     # update passes for SmolLM2 here, docs/performance.md); elsewhere bfloat16 is emulated.
     mixed_precision: Literal["none", "bfloat16"] = "none"
-    # Size of the builtin tiny models (ignored for real checkpoints).
+    # Size of the builtin tiny models (ignored for real checkpoints). tiny_heads query heads
+    # share tiny_heads / 2 key/value heads (4 lets tensor x sequence parallelism 2 x 2 split
+    # them; vLLM's CPU attention needs a head size, hidden / heads, of 32 or more).
     tiny_hidden_size: int = 64
     tiny_layers: int = 2
+    tiny_heads: int = 2
 
     def __post_init__(self) -> None:
         _check(bool(self.path), "path must name a model directory or builtin:tiny-qwen2")
         _check(self.tiny_hidden_size % 16 == 0 and self.tiny_hidden_size > 0,
                "tiny_hidden_size must be a positive multiple of 16")
         _check(self.tiny_layers > 0, "tiny_layers must be > 0")
+        _check(self.tiny_heads > 0 and self.tiny_heads % 2 == 0
+               and self.tiny_hidden_size % self.tiny_heads == 0,
+               f"tiny_heads ({self.tiny_heads}) must be even and divide tiny_hidden_size "
+               f"({self.tiny_hidden_size})")
         _check(self.mixed_precision == "none" or self.dtype == "float32",
                f"mixed_precision={self.mixed_precision} keeps float32 master weights: it needs "
                f"dtype=float32 (got {self.dtype})")
@@ -550,20 +557,11 @@ class Config:
                f"actor.tensor_parallel_size ({a.tensor_parallel_size}) x "
                f"actor.sequence_parallel_size ({a.sequence_parallel_size}) must divide "
                f"trainer.n_workers ({workers})")
-        # HSDP's (replicate, shard) mesh is built for FSDP2 alone; the dp x sp x tp training
-        # mesh (engines/mesh.py) shards over all dp x sp ranks.
-        _check(not (0 < shard_size < workers) or a.model_parallel_size == 1,
-               f"trainer.fsdp_shard_size ({shard_size}) < trainer.n_workers ({workers}) (HSDP) "
-               f"with actor.tensor_parallel_size ({a.tensor_parallel_size}) / "
-               f"actor.sequence_parallel_size ({a.sequence_parallel_size}) > 1 is not "
-               "supported; set trainer.fsdp_shard_size=0 or both sizes to 1")
         for key, on in (("actor.offload", a.offload), ("ref.offload", self.ref.offload),
                         ("critic.offload", self.critic.offload)):
-            _check(not on or (workers > 1 and a.model_parallel_size == 1),
-                   f"{key}=true offloads FSDP2 shards: it needs trainer.n_workers >= 2 and "
-                   "actor.tensor_parallel_size = actor.sequence_parallel_size = 1 (got "
-                   f"{workers} workers, tp {a.tensor_parallel_size}, sp "
-                   f"{a.sequence_parallel_size})")
+            _check(not on or workers > 1,
+                   f"{key}=true offloads FSDP2 shards, and one worker holds its models whole "
+                   "(nothing is sharded); it needs trainer.n_workers >= 2")
         _check(not (self.ref.offload and a.lora.rank),
                "ref.offload=true with actor.lora.rank > 0: the reference is the actor with its "
                "adapters off (no model of its own); set actor.offload instead")

@@ -193,7 +193,8 @@ class _Build:
                  needed: set[str], shard_group: dist.ProcessGroup | None) -> None:
         self.cfg, self.device = cfg, device
         self.shard_group = shard_group      # None: all ranks
-        self.mesh = (build_train_mesh(layout.side_size, layout.tp, layout.sp, device.type)
+        self.mesh = (build_train_mesh(layout.side_size, layout.tp, layout.sp, device.type,
+                                      layout.fsdp_shard_size)
                      if layout.mesh and needed & MESH_ENGINES else None)
         if self.mesh is not None:   # sums over the replicas; gradients averaged over dp x sp
             dp_group = self.mesh.dp_group
@@ -211,11 +212,11 @@ class _Build:
         """`name`'s model on the training mesh, or FSDP2 over the side's ranks (HSDP over
         groups of layout.fsdp_shard_size), its shards in host memory if the layout offloads
         it; a no-op for one rank."""
-        if self.mesh is not None:    # the config refuses offload here
-            return parallelize_model(model, self.mesh)
+        offload = name in self.layout.offload
+        if self.mesh is not None:
+            return parallelize_model(model, self.mesh, offload)
         return shard_model(model, self.layout.side_size, self.device.type,
-                           self.layout.fsdp_shard_size, group=self.shard_group,
-                           offload=name in self.layout.offload)
+                           self.layout.fsdp_shard_size, group=self.shard_group, offload=offload)
 
     def actor(self) -> ActorEngine:
         cfg = self.cfg

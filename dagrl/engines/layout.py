@@ -5,8 +5,9 @@ computed once from the config and the ranks, and read by both the engine build (
     side          all (sync) | trainer | rollout (trainer.mode=async: one layout per side)
     side_ranks    the ranks the models built here shard over: all of them, or the side's
     mesh          (dp, sp, tp) of the training mesh (tensor / sequence parallelism), or None
-    fsdp_shard_size   ranks one FSDP2 group shards a model over without the mesh: all the
-                  side's ranks, or trainer.fsdp_shard_size (HSDP: the groups replicate)
+    fsdp_shard_size   ranks one FSDP2 group shards a model over: all the side's ranks, or
+                  trainer.fsdp_shard_size (HSDP: the groups replicate; on the mesh, groups of
+                  the dp x sp ranks that shard each tp slice)
     lora_rank     LoRA adapters on the actor (the reference is then the actor, adapters off)
     offload       the models whose FSDP2 shards live in host memory
     dtypes        parameters (model.dtype), the rollout copy (model.rollout_dtype), autocast
@@ -57,7 +58,7 @@ class EngineLayout:
     side: str                            # all | trainer | rollout
     side_ranks: tuple[int, ...]          # the ranks the models built here shard over
     mesh: tuple[int, int, int] | None    # (dp, sp, tp); None: FSDP2 / HSDP alone
-    fsdp_shard_size: int                 # without the mesh: ranks one FSDP2 group shards over
+    fsdp_shard_size: int                 # HSDP's k, else all the side's ranks
     lora_rank: int
     offload: frozenset[str]              # of actor, ref, critic
     param_dtype: str
@@ -113,13 +114,15 @@ class EngineLayout:
     @property
     def model_shard_size(self) -> int:
         """Ranks FSDP2 shards the actor, reference and critic over (each tp slice, under
-        tensor parallelism): dp x sp on the mesh, else `fsdp_shard_size`."""
-        return self.mesh[0] * self.mesh[1] if self.mesh else self.fsdp_shard_size
+        tensor parallelism): HSDP's groups, else dp x sp on the mesh or the side's ranks."""
+        fsdp_ranks = self.mesh[0] * self.mesh[1] if self.mesh else self.side_size
+        return min(self.fsdp_shard_size, fsdp_ranks)
 
     @property
     def replicas(self) -> int:
-        """HSDP: the FSDP2 groups, each holding a whole copy (1: plain FSDP2 or the mesh)."""
-        return 1 if self.mesh else self.side_size // self.fsdp_shard_size
+        """HSDP: the FSDP2 groups, each holding a whole copy (1: plain FSDP2)."""
+        fsdp_ranks = self.mesh[0] * self.mesh[1] if self.mesh else self.side_size
+        return fsdp_ranks // self.model_shard_size
 
     @property
     def hsdp(self) -> bool:
@@ -181,16 +184,26 @@ def _fsdp_shard_size(cfg: Config, side: str, ranks: int, mesh) -> int:
         return ranks
     _check(side == "all", "trainer.fsdp_shard_size (HSDP) over a subgroup of the ranks "
                           "(trainer.mode=async) is not supported")
-    _check(mesh is None, f"trainer.fsdp_shard_size ({k}) < {ranks} ranks (HSDP) with tensor / "
-                         "sequence parallelism is not supported")
-    _check(ranks % k == 0, f"trainer.fsdp_shard_size ({k}) must divide the {ranks} ranks")
+    if mesh is None:
+        _check(ranks % k == 0, f"trainer.fsdp_shard_size ({k}) must divide the {ranks} ranks")
+        return k
+    # On the mesh FSDP2 shards each tp slice over the dp x sp ranks: HSDP groups k of them,
+    # whole sp groups (the mesh's replicate x dp_shard x sp x tp, engines/mesh.py).
+    dp, sp, tp = mesh
+    _check(k < dp * sp, f"trainer.fsdp_shard_size ({k}): under tensor parallelism "
+                        f"({tp}) FSDP2 shards each slice over the {dp * sp} dp x sp ranks, so "
+                        f"HSDP needs a shard size below {dp * sp}; set it to 0 (plain FSDP2) "
+                        "or use more workers")
+    _check(k % sp == 0 and dp * sp % k == 0,
+           f"trainer.fsdp_shard_size ({k}) must be a multiple of actor.sequence_parallel_size "
+           f"({sp}) that divides the {dp * sp} dp x sp ranks")
     return k
 
 
 def _offload(cfg: Config, side: str, ranks: int) -> frozenset[str]:
     """The models whose shards live in host memory. FSDP2 does it, so each needs its model
-    sharded (2+ ranks; the config refuses tp/sp > 1). An async side checks the models it
-    builds: the trainer side trains, the rollout side runs the reference (its default place)."""
+    sharded (2+ ranks; under tp/sp, FSDP2's shards of each tp slice). An async side checks the
+    models it builds: the trainer side trains, the rollout side runs the reference."""
     on = {"actor": cfg.actor.offload, "ref": cfg.ref.offload, "critic": cfg.critic.offload}
     for name, flag in on.items():
         here = side == "all" or (side == "rollout") == (name == "ref")

@@ -11,7 +11,9 @@ dag/planner.py); the dp replicas hold different ones.
 
 Which group does what:
   fsdp  (dp x sp, flattened)  FSDP2 shards every parameter (its tp slice) over it and averages
-                              the gradients
+                              the gradients; under HSDP (trainer.fsdp_shard_size = k < dp x sp)
+                              a 2-D (replicate, shard) mesh: groups of k consecutive dp x sp
+                              ranks shard, the dp x sp / k groups replicate
   tp    (the last dim)        tensor parallelism: heads, MLP columns, vocabulary
                               (tensor_parallel.py)
   sp    (the middle dim)      Ulysses: sequence shards <-> head shards around attention
@@ -39,7 +41,8 @@ class TrainMesh:
     sp: int = 1
     tp: int = 1
     mesh: DeviceMesh | None = None        # None: one worker, nothing is sharded
-    fsdp_mesh: DeviceMesh | None = None   # 1-D: dp, or dp x sp flattened
+    # 1-D: dp, or dp x sp flattened; HSDP: 2-D (replicate, shard), shard = k of those ranks
+    fsdp_mesh: DeviceMesh | None = None
 
     @property
     def world(self) -> int:
@@ -67,8 +70,10 @@ class TrainMesh:
 
 
 def build_train_mesh(world_size: int, tensor_parallel: int, sequence_parallel: int,
-                     device_type: str) -> TrainMesh:
-    """The (dp, sp, tp) mesh for `world_size` ranks (collective: every rank calls it)."""
+                     device_type: str, shard_size: int = 0) -> TrainMesh:
+    """The (dp, sp, tp) mesh for `world_size` ranks (collective: every rank calls it).
+    `shard_size` = k with 0 < k < dp x sp: HSDP over the fsdp ranks, k a multiple of sp (the
+    dp ranks split into dp x sp / k replicate groups of k / sp)."""
     tp, sp = tensor_parallel, sequence_parallel
     if world_size % (tp * sp):
         raise ValueError(f"{world_size} workers do not split into tensor-parallel groups of {tp} "
@@ -76,18 +81,39 @@ def build_train_mesh(world_size: int, tensor_parallel: int, sequence_parallel: i
     if world_size == 1:
         return TrainMesh()
     dp = world_size // (tp * sp)
+    if 0 < shard_size < dp * sp:
+        return _hsdp_mesh(dp, sp, tp, device_type, shard_size)
     mesh = init_device_mesh(device_type, (dp, sp, tp), mesh_dim_names=("dp", "sp", "tp"))
     fsdp = mesh["dp"] if sp == 1 else mesh["dp", "sp"]._flatten("fsdp")
     return TrainMesh(dp, sp, tp, mesh, fsdp)
 
 
-def parallelize_model(model: torch.nn.Module, mesh: TrainMesh) -> torch.nn.Module:
+def _hsdp_mesh(dp: int, sp: int, tp: int, device_type: str, shard_size: int) -> TrainMesh:
+    """HSDP on the training mesh: dp = replicate x dp_shard, each FSDP2 group the
+    dp_shard x sp ranks of one replica (flattened, as torchtitan does with context
+    parallelism); `dp` (one rank per data-parallel replica) is replicate x dp_shard again."""
+    if shard_size % sp or dp * sp % shard_size:
+        raise ValueError(f"trainer.fsdp_shard_size ({shard_size}) must be a multiple of "
+                         f"actor.sequence_parallel_size ({sp}) that divides the {dp * sp} "
+                         "ranks FSDP2 shards over")
+    dp_shard = shard_size // sp
+    names = ("replicate", "dp_shard", "sp", "tp")
+    mesh = init_device_mesh(device_type, (dp // dp_shard, dp_shard, sp, tp),
+                            mesh_dim_names=names)
+    mesh["dp_shard", "sp"]._flatten("shard")
+    mesh["replicate", "dp_shard"]._flatten("dp")
+    return TrainMesh(dp, sp, tp, mesh, mesh["replicate", "shard"])
+
+
+def parallelize_model(model: torch.nn.Module, mesh: TrainMesh,
+                      offload: bool = False) -> torch.nn.Module:
     """Tensor parallelism, then Ulysses attention, then FSDP2 over the fsdp mesh (in place; a
-    no-op for one worker)."""
+    no-op for one worker). `offload`: FSDP2 keeps the shards (of each tp slice) in host
+    memory."""
     if mesh.mesh is None:
         return model
     if mesh.tp > 1:
         tensor_parallelize(model, mesh.tp_mesh)
     if mesh.sp > 1:
         ulysses_parallelize(model, mesh.sp_mesh, mesh.tp)
-    return fully_shard_layers(model, mesh.fsdp_mesh)
+    return fully_shard_layers(model, mesh.fsdp_mesh, offload)

@@ -146,7 +146,7 @@ def package_dir(path: str) -> str:
 
 
 def resolve_builtin_model(path: str, out_root: str | Path, *, hidden_size: int, layers: int,
-                          seed: int) -> str:
+                          seed: int, heads: int = 2) -> str:
     """Turn `builtin:tiny-qwen2` into a written model directory under `out_root`, and
     `package:NAME` into that installed package's directory; real paths pass through."""
     if path.startswith(PACKAGE_PREFIX):
@@ -157,9 +157,11 @@ def resolve_builtin_model(path: str, out_root: str | Path, *, hidden_size: int, 
     if family not in TINY_FAMILIES:
         raise ValueError(f"model.path: unknown built-in model {path!r}; choose one of "
                          + ", ".join(BUILTIN_PREFIX + f for f in TINY_FAMILIES))
-    out = Path(out_root) / f"{family}-h{hidden_size}-l{layers}-s{seed}"
+    shape = f"h{hidden_size}-l{layers}" + (f"-a{heads}" if heads != 2 else "")
+    out = Path(out_root) / f"{family}-{shape}-s{seed}"
     if not (out / "config.json").exists():
-        write_tiny_model(out, family, hidden_size=hidden_size, layers=layers, seed=seed)
+        write_tiny_model(out, family, hidden_size=hidden_size, layers=layers, seed=seed,
+                         heads=heads, kv_heads=heads // 2)
     return str(out)
 
 

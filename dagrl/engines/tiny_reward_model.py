@@ -14,6 +14,7 @@ built-in tiny policy with GRPO on these scores and no rule reward.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import shutil
@@ -114,15 +115,17 @@ def cache_dir() -> Path:
 def copy_tiny_digit_rm(out_dir: str | Path, *, seed: int = 0) -> Path:
     """The trained model written as `out_dir`: copied from the cache, where it is trained the
     first time (a minute on a CPU core; the training is seeded, so the copy is the model this
-    run would train). The copy is made beside `out_dir` and renamed into place."""
+    run would train). The copy is made beside `out_dir` and renamed into place. Processes
+    that start at once (parallel test workers, the ranks of a run) train it once: the first
+    holds a lock on the cache entry, the others wait and copy its model."""
     out_dir = Path(out_dir)
     cached = cache_dir() / f"{NAME}-s{seed}-r{RECIPE}"
     if not (cached / "config.json").exists():
-        try:
-            write_tiny_digit_rm(cached, seed=seed)
-        except OSError:   # another process renamed its copy into place first
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        with open(cached.parent / f"{cached.name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)   # released when the file closes
             if not (cached / "config.json").exists():
-                raise
+                write_tiny_digit_rm(cached, seed=seed)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:

@@ -11,8 +11,9 @@ each dimension's group per bucket, never per parameter):
 
 then each full parameter is cut out of the gathered buffer. Parameters a layout replicates over
 tp (norms, KV heads fewer than ranks) are gathered over dp alone, in their own buckets. Under
-HSDP (trainer.fsdp_shard_size, tp = sp = 1) the FSDP group of step 1 is the rank's shard group:
-each group holds a whole copy, so nothing is gathered across the groups. At most
+HSDP (trainer.fsdp_shard_size; the mesh's first dim is `replicate`) the FSDP group of step 1 is
+the rank's shard group: each group holds a whole copy (of each tp slice), so nothing is
+gathered across the groups. At most
 one bucket's gathered buffers are alive at a time, and each full tensor only until its consumer
 (the rollout engine's in-place copy) has taken it. A rank receives each byte of the model it
 lacks once, plus the padding of uneven shards (at most one bucket's worth).
@@ -41,29 +42,30 @@ def shard_rows(rows: int, world: int) -> list[int]:
 
 
 def _layout(p: torch.Tensor) -> tuple | None:
-    """How a parameter is split: None for a plain (whole) tensor; ("dp",) for FSDP2 alone;
-    ("hsdp",) for HSDP (replicated over the first dim of a (replicate, shard) mesh, FSDP2 rows
-    over the second); ("dp", "tp", dim) for FSDP2 over a tp slice on `dim`; ("dp", "rep") for
-    FSDP2 over a parameter tp replicates; ("other",) for anything else (gathered alone)."""
+    """How a parameter is split, as (kind, base[, tp dim]): None for a plain (whole) tensor;
+    ("dp", b) for FSDP2 rows over mesh dim b; ("tp", b, dim) for FSDP2 rows of a tp slice on
+    `dim` over mesh dim b, the slices over dim b + 1; ("rep", b) for FSDP2 rows of a parameter
+    tp replicates; ("other",) for anything else (gathered alone). b is 1 under HSDP (the mesh's
+    dim 0 replicates whole copies: the gathers stay inside the shard group), else 0."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
     if not hasattr(p, "placements"):
         return None
     placements = tuple(p.placements)
-    if p.dim() > 0 and placements == (Replicate(), Shard(0)):
-        return ("hsdp",)
-    dp_rows = placements and (placements[0] == Shard(0) or (
-        isinstance(placements[0], _StridedShard) and placements[0].dim == 0))
+    base = int(len(placements) > 1 and placements[0] == Replicate()
+               and p.device_mesh.mesh_dim_names[0] == "replicate")
+    rest = placements[base:]
+    dp_rows = rest and (rest[0] == Shard(0) or (
+        isinstance(rest[0], _StridedShard) and rest[0].dim == 0))
     if p.dim() == 0 or not dp_rows:
         return ("other",)
-    if len(placements) == 1:
-        return ("dp",)
-    if len(placements) == 2 and placements[1] == Replicate():
-        return ("dp", "rep")
-    if len(placements) == 2 and isinstance(placements[1], Shard) and not isinstance(
-            placements[1], _StridedShard):
-        return ("dp", "tp", placements[1].dim)
+    if len(rest) == 1:
+        return ("dp", base)
+    if len(rest) == 2 and rest[1] == Replicate():
+        return ("rep", base)
+    if len(rest) == 2 and isinstance(rest[1], Shard) and not isinstance(rest[1], _StridedShard):
+        return ("tp", base, rest[1].dim)
     return ("other",)
 
 
@@ -90,9 +92,9 @@ def gather_full_weights(model: torch.nn.Module,
     rank's group, never across the replicas."""
     _reshard(model)
     params = list(model.named_parameters())
-    # Bucket kinds: "dp" (FSDP2 rows over mesh dim 0), "hsdp" (rows over mesh dim 1, the
-    # shard group), "tp" (rows over dim 0 of a tp slice, then the slices over dim 1).
-    kinds: dict[str, list[tuple[str, torch.Tensor]]] = {"dp": [], "hsdp": [], "tp": []}
+    # Buckets by (kind, base): "dp" (FSDP2 rows over mesh dim base; parameters tp replicates
+    # too), "tp" (rows of a tp slice over dim base, then the slices over dim base + 1).
+    kinds: dict[tuple[str, int], list[tuple[str, torch.Tensor]]] = {}
     for name, p in params:
         layout = _layout(p)
         if layout is None:
@@ -100,10 +102,11 @@ def gather_full_weights(model: torch.nn.Module,
         elif layout == ("other",):
             yield name, p.full_tensor()
         else:
-            kinds["tp" if "tp" in layout else layout[0]].append((name, p))
-    for kind, members in kinds.items():
+            kind = "tp" if layout[0] == "tp" else "dp"
+            kinds.setdefault((kind, layout[1]), []).append((name, p))
+    for (kind, base), members in kinds.items():
         for bucket in _buckets(members, bucket_bytes):
-            yield from _gather_bucket(bucket, kind == "tp")
+            yield from _gather_bucket(bucket, base, kind == "tp")
 
 
 def _reshard(model: torch.nn.Module) -> None:
@@ -141,19 +144,20 @@ def _gather_flat(pieces: list[torch.Tensor], counts: list[list[int]],
     return out
 
 
-def _gather_bucket(bucket: list[tuple[str, torch.Tensor]],
+def _gather_bucket(bucket: list[tuple[str, torch.Tensor]], base: int,
                    tensor_parallel: bool) -> Iterator[tuple[str, torch.Tensor]]:
     mesh = bucket[0][1].device_mesh
-    # The ranks FSDP2 shards the rows over: mesh dim 0, or under HSDP the shard group (dim 1;
-    # each group holds a whole copy, so the gather never leaves it).
-    dp_group = mesh.get_group(1 if _layout(bucket[0][1]) == ("hsdp",) else 0)
+    # The ranks FSDP2 shards the rows over: mesh dim `base` (under HSDP the shard group: each
+    # group holds a whole copy, so the gather never leaves it); the tp slices: dim base + 1.
+    dp_group = mesh.get_group(base)
     dp, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
-    tp, tp_rank = (mesh.size(1), mesh.get_local_rank(1)) if tensor_parallel else (1, 0)
+    tp_dim = base + 1
+    tp, tp_rank = (mesh.size(tp_dim), mesh.get_local_rank(tp_dim)) if tensor_parallel else (1, 0)
     # The tp slice each parameter's FSDP shards cut up: its shape on every tp rank.
     slices = []
     for _, p in bucket:
         if tensor_parallel:
-            dim = p.placements[1].dim
+            dim = p.placements[tp_dim].dim
             sizes = shard_rows(p.shape[dim], tp)
             slices.append([p.shape[:dim] + (s,) + p.shape[dim + 1:] for s in sizes])
         else:
@@ -179,7 +183,7 @@ def _gather_bucket(bucket: list[tuple[str, torch.Tensor]],
         return
     # 2. over tp: the slices -> the whole parameter, concatenated on its tp dim.
     counts = [[math.prod(shape) for shape in s] for s in slices]
-    parts = _gather_flat(mine, counts, mesh.get_group(1))
+    parts = _gather_flat(mine, counts, mesh.get_group(tp_dim))
     for (name, p), pieces, s in zip(bucket, parts, slices, strict=True):
-        dim = p.placements[1].dim
+        dim = p.placements[tp_dim].dim
         yield name, torch.cat([x.view(shape) for x, shape in zip(pieces, s, strict=True)], dim)

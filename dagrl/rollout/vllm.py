@@ -129,7 +129,7 @@ def _check_cpu_head_size(model_path: str) -> None:
     if head not in supported:
         raise ValueError(f"rollout.backend=vllm: vLLM's CPU attention supports head sizes "
                          f"{supported}; {model_path} has {head} (the built-in tiny models have "
-                         "model.tiny_hidden_size / 2)")
+                         "model.tiny_hidden_size / model.tiny_heads)")
 
 
 def _check_tensor_parallel(size: int, device: torch.device) -> None:

@@ -52,7 +52,7 @@ def materialize_builtins(cfg: Config, run_dir: Path) -> Config:
     m = cfg.model
     model_path = resolve_builtin_model(m.path, run_dir / "artifacts",
                                        hidden_size=m.tiny_hidden_size, layers=m.tiny_layers,
-                                       seed=cfg.trainer.seed)
+                                       seed=cfg.trainer.seed, heads=m.tiny_heads)
 
     def data_file(spec: str, key: str, split: str) -> str:
         if not spec.startswith(BUILTIN_PREFIX):
@@ -74,7 +74,7 @@ def materialize_builtins(cfg: Config, run_dir: Path) -> Config:
         if path:
             overlay = {**overlay, "model": {**overlay["model"], "path": resolve_builtin_model(
                 path, run_dir / "artifacts", hidden_size=own.tiny_hidden_size,
-                layers=own.tiny_layers, seed=cfg.trainer.seed)}}
+                layers=own.tiny_layers, seed=cfg.trainer.seed, heads=own.tiny_heads)}}
         models[name] = overlay
     d = cfg.data
     return dataclasses.replace(
@@ -83,7 +83,8 @@ def materialize_builtins(cfg: Config, run_dir: Path) -> Config:
             cfg.reward_model.path, run_dir / "artifacts", seed=cfg.trainer.seed)),
         judge=dataclasses.replace(cfg.judge, path=resolve_builtin_model(
             cfg.judge.path, run_dir / "artifacts", hidden_size=m.tiny_hidden_size,
-            layers=m.tiny_layers, seed=cfg.trainer.seed + 1) if cfg.judge.path else ""),
+            layers=m.tiny_layers, seed=cfg.trainer.seed + 1, heads=m.tiny_heads)
+            if cfg.judge.path else ""),
         data=dataclasses.replace(
             d, train_files=[data_file(s, "train_files", "train") for s in d.train_files],
             val_files=[data_file(s, "val_files", "test") for s in d.val_files]),
