@@ -41,22 +41,19 @@ ENVIRONMENT = ["data.train_files=[builtin:guess-number]", "data.max_prompt_lengt
 AGENT = ["multi_turn/turns_mean", "multi_turn/observation_tokens_mean"]
 
 
-def test_multi_turn_composes_in_the_config_and_an_environment_keeps_its_own_reward():
-    from dagrl.config.loader import ConfigError
-
+def test_multi_turn_composes_in_the_config():
     base = ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]"]
-    for extra in (["actor.tensor_parallel_size=2", "trainer.n_workers=2"],
-                  ["actor.sequence_parallel_size=2", "trainer.n_workers=2"],
-                  ["reward.source=judge", "judge.path=x"],
-                  ["reward.source=reward_model", "reward_model.path=x"],
-                  [f"dag.graph={ROOT / 'examples' / 'agents_with_tools.graph.yaml'}",
-                   "models.checker.actor.lr=0.1"]):
-        load_cli_config([*base, *extra])
-    # two rewards for one episode: the environment's and a judge's
-    with pytest.raises(ConfigError, match="scores its episodes itself"):
-        load_cli_config(["rollout.multi_turn.enable=true",
-                         "rollout.multi_turn.environment=guess_number", "reward.source=judge",
-                         "judge.path=x"])
+    env = ["rollout.multi_turn.enable=true", "rollout.multi_turn.environment=guess_number"]
+    for overrides in ([*base, "actor.tensor_parallel_size=2", "trainer.n_workers=2"],
+                      [*base, "actor.sequence_parallel_size=2", "trainer.n_workers=2"],
+                      [*base, "reward.source=judge", "judge.path=x"],
+                      [*base, "reward.source=reward_model", "reward_model.path=x"],
+                      [*base, f"dag.graph={ROOT / 'examples' / 'agents_with_tools.graph.yaml'}",
+                       "models.checker.actor.lr=0.1"],
+                      # the environment's turn rewards and the model's episode score add
+                      [*env, "reward.source=judge", "judge.path=x"],
+                      [*env, "reward.source=reward_model", "reward_model.path=x"]):
+        load_cli_config(overrides)
 
 
 # A dense reward, so that every step's groups have advantages and gradients (tool_calc pays
@@ -106,12 +103,12 @@ def test_environment_episodes_with_ppo_under_sequence_parallelism_match_one_work
 
 # --- model rewards ------------------------------------------------------------------------
 
-def reward_step(tmp_path, *overrides):
+def reward_step(tmp_path, *overrides, base=TOOLS):
     """One worker's first step up to the reward node: (worker, batch)."""
     from dagrl.runtime.run_dir import prepare_run
     from dagrl.runtime.worker import Worker
 
-    cfg = prepare_run(config(tmp_path / "run", *TOOLS, *overrides))
+    cfg = prepare_run(config(tmp_path / "run", *base, *overrides))
     worker = Worker(cfg)
     tasks = worker.plan.tasks
     upto = next(i for i, t in enumerate(tasks) if t.node_id == "reward") + 1
@@ -139,6 +136,33 @@ def test_a_reward_model_scores_whole_episodes_tool_results_included(tmp_path):
             ).amax(-1).long() - 1
     rows = torch.arange(len(batch))
     assert batch["token_level_scores"][rows, last].tolist() == pytest.approx(expected.tolist())
+
+
+def test_an_environments_turn_rewards_add_to_a_reward_models_episode_score(tmp_path):
+    rm = write_reward_model(tmp_path / "rm")
+    metrics = StepMetrics()
+    worker, batch = reward_step(tmp_path, "reward.source=reward_model", f"reward_model.path={rm}",
+                                base=ENVIRONMENT)
+    turns = batch["turn_scores"]
+    assert (turns != 0).any()                     # the environment rewarded some turns
+    mask = batch["response_mask"]
+    last = (mask * torch.arange(1, mask.shape[1] + 1)).amax(-1).long() - 1
+    rows = torch.arange(len(batch))
+    # the model's score on the episode's last policy token, the turn rewards where they were
+    model_part = batch["token_level_scores"] - turns
+    assert model_part[rows, last].tolist() == pytest.approx(batch["rm_scores"].tolist(), abs=1e-6)
+    model_part[rows, last] = 0
+    assert (model_part == 0).all()
+    assert batch["scores"].tolist() == pytest.approx(
+        (batch["rm_scores"] + turns.sum(-1)).tolist(), abs=1e-6)
+    # each part visible on its own: reward/environment beside the total
+    from dagrl.roles.score import place_outcome_scores
+
+    ctx = SimpleNamespace(metrics=metrics, config=worker.cfg)
+    place_outcome_scores(ctx, batch, batch["rm_scores"].clone())
+    got = metrics.reduce()
+    assert got["reward/environment/mean"] == pytest.approx(float(turns.sum(-1).mean()))
+    assert got["reward/mean"] == pytest.approx(float(batch["scores"].mean()), abs=1e-6)
 
 
 @pytest.mark.composition   # 2-worker runs: with the matrix (pytest -m composition)

@@ -622,11 +622,8 @@ def _check_multi_turn(cfg: Config) -> None:
     rewards read whole episodes (roles/model_reward.py)."""
     if not cfg.rollout.multi_turn.enable:
         return
-    mt = cfg.rollout.multi_turn
-    _check(not (mt.environment and cfg.reward.source != "rule"),
-           f"rollout.multi_turn.environment ({mt.environment}) scores its episodes itself "
-           f"(turn_scores), so a reward.source={cfg.reward.source} would be a second reward of "
-           "the same episode; set reward.source=rule or drop the environment")
+    # An environment's per-turn rewards and a reward model's or judge's episode score add
+    # (roles/score.py: place_outcome_scores).
     _check(cfg.algorithm.adv_estimator != "optimal_token_baseline",
            "algorithm.adv_estimator=optimal_token_baseline aligns responses by column, which "
            "multi-turn masks (tool tokens in the gaps) break; use tir_optimal_token_baseline")

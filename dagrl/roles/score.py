@@ -6,8 +6,10 @@ final turn. (Model-based rewards: roles/model_reward.py, ending in the same
 
 Multi-turn rollouts: the reward manager scores the whole response, tool and environment
 messages included (`response_attention_mask`, as verl decodes multi-turn responses);
-an environment's episodes are scored by the environment alone, its per-turn rewards
-(`turn_scores`) already at the last token of the turns they reward.
+an environment's episodes are scored by the environment (the rule scorers are not asked), its
+per-turn rewards (`turn_scores`) already at the last token of the turns they reward. With a
+reward model or a judge (reward.source) the two add: the environment rewards each turn, the
+model the whole episode, on its last token.
 
 Fields added for N samples, response width R: scores [N], token_level_scores [N, R], and
 `score_component_<key>` [N] for each key of algorithm.gdpo_reward_keys.
@@ -79,7 +81,9 @@ def reward(ctx: NodeContext, batch: Batch) -> Batch:
 def place_outcome_scores(ctx: NodeContext, batch: Batch, scores: torch.Tensor) -> None:
     """Write a sample's outcome reward (scores [N]; + DAPO's overlong shaping when configured)
     into `scores` [N] and onto its last response token in `token_level_scores` [N, R]. Every
-    reward role (rule, reward model, judge) ends here."""
+    reward role (rule, reward model, judge) ends here. An environment's episodes (a model
+    scoring them) keep its per-turn rewards beside the outcome: both are in
+    `token_level_scores`, `scores` is their sum, `reward/environment/*` the environment's."""
     mask = batch["response_mask"]
     scores = scores.to(mask.device)   # scorers answer in Python floats, on the host
     r = ctx.config.reward
@@ -92,6 +96,11 @@ def place_outcome_scores(ctx: NodeContext, batch: Batch, scores: torch.Tensor) -
     # The outcome reward sits on the last response token (token-level credit for PPO/GAE).
     token_scores = torch.zeros_like(mask)
     token_scores[torch.arange(len(batch)), last_token_index(mask)] = scores
+    if "turn_scores" in batch:
+        turns = batch["turn_scores"].to(mask.dtype)
+        ctx.metrics.add_distribution("reward/environment", turns.sum(-1))
+        token_scores = token_scores + turns
+        scores = scores + turns.sum(-1)
     batch["scores"] = scores
     batch["token_level_scores"] = token_scores * (mask.sum(-1, keepdim=True) > 0)
     ctx.metrics.add_distribution("reward", scores)
