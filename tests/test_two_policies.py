@@ -102,6 +102,9 @@ def test_the_extra_models_samples_get_their_own_seeds_per_group():
     (["models.refiner.rollout.n=2"], ConfigError, "models.refiner.rollout.n must equal"),
     (["models.refiner.trainer.seed=1"], ConfigError, "cannot be set per model"),
     (["models.Refiner.actor.lr=0.1"], ConfigError, "lowercase"),
+    (["trainer.n_workers=2", "models.refiner.actor.tensor_parallel_size=2"], ConfigError,
+     r"models.refiner.actor: tensor_parallel_size x sequence_parallel_size \(2 x 1\) must be "
+     r"the main policy's \(1 x 1\)"),
 ])
 def test_bad_multi_model_configs_are_refused_naming_the_key(overrides, error, message):
     with pytest.raises(error, match=message):

@@ -53,10 +53,14 @@ def derive_model_configs(cfg: Config) -> dict[str, Config]:
             raise ConfigError(f"{where}.rollout.n must equal rollout.n ({cfg.rollout.n}): an "
                               "extra model answers each of the main policy's samples once, so "
                               "its groups are the main policy's groups")
-        if derived.actor.model_parallel_size > 1 or cfg.actor.model_parallel_size > 1:
-            raise ConfigError(f"{where}: extra models with tensor or sequence parallelism "
-                              "(actor.tensor_parallel_size / sequence_parallel_size > 1) are "
-                              "not supported yet")
+        own, main = derived.actor, cfg.actor
+        if (own.tensor_parallel_size, own.sequence_parallel_size) != (
+                main.tensor_parallel_size, main.sequence_parallel_size):
+            raise ConfigError(
+                f"{where}.actor: tensor_parallel_size x sequence_parallel_size "
+                f"({own.tensor_parallel_size} x {own.sequence_parallel_size}) must be the main "
+                f"policy's ({main.tensor_parallel_size} x {main.sequence_parallel_size}): the "
+                "policies' training nodes read the step's batch in one replicated layout")
         out[name] = derived
     return out
 
