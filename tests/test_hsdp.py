@@ -108,13 +108,48 @@ def test_shard_groups_on_the_mesh_are_groups_of_the_dp_x_sp_ranks():
                  "actor.sequence_parallel_size=2"])
 
 
-def test_shard_groups_are_refused_in_async_mode():
-    # the async trainer ranks shard over one 1-D subgroup (engines/sharding.py)
-    with pytest.raises(ConfigError, match=r"trainer.mode=async with trainer.fsdp_shard_size "
-                                          r"\(2\) < trainer.n_workers \(4\)"):
-        load_config(Config, None, ["trainer.n_workers=4", "trainer.fsdp_shard_size=2",
-                                   "trainer.mode=async", "trainer.val_before_train=false",
-                                   "data.train_batch_size=8", "actor.mini_batch_size=8"])
+def test_async_trainer_ranks_shard_in_groups_and_the_rollout_side_over_all_its_ranks():
+    # 8 workers: trainer ranks 0-3 in 2 shard groups of 2 (the mesh every rank makes,
+    # sharding.hsdp_mesh); the rollout side's reference, forward only, over its 4 ranks
+    from dagrl.engines.layout import EngineLayout
+
+    cfg = load_config(Config, None, ["trainer.n_workers=8", "trainer.fsdp_shard_size=2",
+                                     "trainer.mode=async", "data.train_batch_size=8",
+                                     "actor.mini_batch_size=8"])
+    trainer = EngineLayout.of(cfg, 8, side_ranks=(0, 1, 2, 3), side="trainer",
+                              device_type="cpu")
+    rollout = EngineLayout.of(cfg, 8, side_ranks=(4, 5, 6, 7), side="rollout",
+                              device_type="cpu")
+    assert (trainer.hsdp, trainer.model_shard_size, trainer.replicas) == (True, 2, 2)
+    assert trainer.grad_scale == 4                   # gradients averaged over all 4
+    assert (rollout.hsdp, rollout.model_shard_size) == (False, 4)
+    # 4 workers: 2 trainer ranks, one group of 2: not HSDP, refused rather than run as FSDP2
+    small = load_config(Config, None, ["trainer.n_workers=4", "trainer.fsdp_shard_size=2",
+                                       "trainer.mode=async", "data.train_batch_size=8",
+                                       "actor.mini_batch_size=8"])
+    with pytest.raises(ConfigError, match=r"the async trainer side's 2 ranks \(of 4\) make no "
+                                          r"more than one shard group"):
+        EngineLayout.of(small, 4, side_ranks=(0, 1), side="trainer", device_type="cpu")
+
+
+def _subset_mesh(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from dagrl.engines.sharding import hsdp_mesh
+
+    mesh = hsdp_mesh((0, 1, 2, 3), 2, "cpu")      # every rank makes it, ranks 4, 5 too
+    if rank > 3:
+        return None
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=mesh.get_group("shard"))
+    return mesh.get_coordinate(), t.item()
+
+
+def test_hsdp_mesh_over_a_subset_of_the_ranks():
+    got = run_distributed(_subset_mesh, 6)
+    assert got[:4] == [((0, 0), 1.0), ((0, 1), 1.0), ((1, 0), 5.0), ((1, 1), 5.0)]
+    assert got[4:] == [None, None]
 
 
 @pytest.mark.slow   # the composition matrix trains tp x hsdp on 8 workers (no resume)

@@ -645,10 +645,6 @@ def _check_async(cfg: Config) -> None:
            f"actor.sequence_parallel_size ({a.sequence_parallel_size}) > 1 is not supported "
            "yet (the trainer ranks shard over one 1-D group); set both to 1 or "
            "trainer.mode=sync")
-    _check(not 0 < t.fsdp_shard_size < t.n_workers,
-           f"trainer.mode=async with trainer.fsdp_shard_size ({t.fsdp_shard_size}) < "
-           f"trainer.n_workers ({t.n_workers}) (HSDP) is not supported yet (the trainer ranks "
-           "shard over one 1-D group); set trainer.fsdp_shard_size=0 or trainer.mode=sync")
     _check(not cfg.models,
            f"trainer.mode=async with `models` ({', '.join(sorted(cfg.models))}) is not "
            "supported yet (extra policies are sharded over every rank); drop `models` or set "

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from dagrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
 from dagrl.config.schema import AlgorithmConfig, Config, RewardConfig
@@ -127,17 +128,20 @@ class Engines:
 def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
                   world_size: int = 1, log: Callable[[str], None] = print,
                   tokenizer=None, dp_group: dist.ProcessGroup | None = None,
-                  layout: EngineLayout | None = None, handed_prompts: bool = False) -> Engines:
+                  layout: EngineLayout | None = None, handed_prompts: bool = False,
+                  hsdp_mesh: DeviceMesh | None = None) -> Engines:
     """Build the engines in `needed` (names from dagrl.roles.registry.ENGINES) as `layout`
     places them (engines/layout.py; default: a sync run of `world_size` ranks); `dp_group`:
     the group of `layout.side_ranks` when not all of them (trainer.mode=async: this side's
     ranks). `tokenizer`: the run's, when the caller has loaded it already (the worker does,
     for its pre-flight). `handed_prompts`: the model's prompts are another policy's answers (an
-    extra model's, made by a handoff node), so data.max_prompt_length does not bound them."""
+    extra model's, made by a handoff node), so data.max_prompt_length does not bound them.
+    `hsdp_mesh`: an async trainer side's HSDP mesh, made beforehand by every rank
+    (sharding.hsdp_mesh)."""
     if layout is None:
         layout = EngineLayout.of(cfg, world_size, device_type=device.type)
     _prepare_host(cfg, layout, device)
-    build = _Build(cfg, layout, device, needed, dp_group)
+    build = _Build(cfg, layout, device, needed, dp_group, hsdp_mesh)
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model.path, cfg.model.gguf_file)
     engines = Engines(tokenizer=tokenizer, log=log)
@@ -190,9 +194,11 @@ class _Build:
     a collective over the ranks). One method per engine."""
 
     def __init__(self, cfg: Config, layout: EngineLayout, device: torch.device,
-                 needed: set[str], shard_group: dist.ProcessGroup | None) -> None:
+                 needed: set[str], shard_group: dist.ProcessGroup | None,
+                 hsdp_mesh: DeviceMesh | None = None) -> None:
         self.cfg, self.device = cfg, device
         self.shard_group = shard_group      # None: all ranks
+        self.hsdp_mesh = hsdp_mesh          # HSDP over a subgroup (async trainer side)
         self.mesh = (build_train_mesh(layout.side_size, layout.tp, layout.sp, device.type,
                                       layout.fsdp_shard_size)
                      if layout.mesh and needed & MESH_ENGINES else None)
@@ -216,7 +222,8 @@ class _Build:
         if self.mesh is not None:
             return parallelize_model(model, self.mesh, offload)
         return shard_model(model, self.layout.side_size, self.device.type,
-                           self.layout.fsdp_shard_size, group=self.shard_group, offload=offload)
+                           self.layout.fsdp_shard_size, group=self.shard_group, offload=offload,
+                           mesh=self.hsdp_mesh)
 
     def actor(self) -> ActorEngine:
         cfg = self.cfg

@@ -179,11 +179,19 @@ def _mesh(cfg: Config, ranks: int) -> tuple[int, int, int] | None:
 
 
 def _fsdp_shard_size(cfg: Config, side: str, ranks: int, mesh) -> int:
+    """HSDP's shard group: trainer.fsdp_shard_size where it is below the ranks that shard (sync,
+    and an async trainer side); an async rollout side shards its forward-only models (the
+    reference) over all its ranks."""
     k = cfg.trainer.fsdp_shard_size
-    if not 0 < k < ranks:
+    workers = cfg.trainer.n_workers
+    # Asked for HSDP (groups below the run's workers), an async trainer side of k ranks or fewer
+    # would hold one group: plain FSDP2, not what was asked.
+    _check(side != "trainer" or not 0 < k < workers or k < ranks,
+           f"trainer.fsdp_shard_size ({k}): the async trainer side's {ranks} ranks (of "
+           f"{workers}) make no more than one shard group, so nothing replicates; HSDP needs "
+           f"more trainer ranks (trainer.n_workers >= {4 * k}) or trainer.fsdp_shard_size=0")
+    if not 0 < k < ranks or side == "rollout":
         return ranks
-    _check(side == "all", "trainer.fsdp_shard_size (HSDP) over a subgroup of the ranks "
-                          "(trainer.mode=async) is not supported")
     if mesh is None:
         _check(ranks % k == 0, f"trainer.fsdp_shard_size ({k}) must divide the {ranks} ranks")
         return k

@@ -46,32 +46,47 @@ def checkpoint_activations(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def hsdp_mesh(ranks: tuple[int, ...], shard_size: int, device_type: str) -> DeviceMesh:
+    """HSDP's 2-D (replicate, shard) mesh over `ranks`, a subset of the run's (the async
+    trainer side): groups of `shard_size` consecutive ranks. Collective over *every* rank of
+    the run, members or not (each of its process groups is made by all of them)."""
+    mesh = torch.tensor(ranks).view(len(ranks) // shard_size, shard_size)
+    return DeviceMesh(device_type, mesh, mesh_dim_names=("replicate", "shard"))
+
+
 def shard_model(model: torch.nn.Module, world_size: int, device_type: str,
                 shard_size: int = 0,
                 group: dist.ProcessGroup | None = None,
-                offload: bool = False) -> torch.nn.Module:
+                offload: bool = False,
+                mesh: DeviceMesh | None = None) -> torch.nn.Module:
     """Shard `model` in place over all `world_size` ranks, or over the ranks of `group`
     (trainer.mode=async: the trainer ranks; `world_size` is then their number); a no-op for
-    one rank. With 0 < `shard_size` < `world_size` (all ranks only), over groups of
-    `shard_size` consecutive ranks and replicated across the groups (HSDP: a 2-D mesh,
-    replicas x shard; FSDP2 reduce-scatters gradients in a group, then all-reduces each shard
-    across the groups). `offload`: the shards live in host memory (see fully_shard_layers)."""
+    one rank. With 0 < `shard_size` < `world_size`, over groups of `shard_size` consecutive
+    ranks and replicated across the groups (HSDP: a 2-D mesh, replicas x shard; FSDP2
+    reduce-scatters gradients in a group, then all-reduces each shard across the groups); over
+    a subgroup that mesh is made beforehand by every rank (`hsdp_mesh`) and passed as `mesh`.
+    `offload`: the shards live in host memory (see fully_shard_layers)."""
     if world_size == 1:
         return model
+    if mesh is None:
+        mesh = _fsdp_mesh(world_size, device_type, shard_size, group)
+    return fully_shard_layers(model, mesh, offload)
+
+
+def _fsdp_mesh(world_size: int, device_type: str, shard_size: int,
+               group: dist.ProcessGroup | None) -> DeviceMesh:
     if 0 < shard_size < world_size:
-        if group is not None:   # the config refuses it (trainer.mode=async)
-            raise ValueError("trainer.fsdp_shard_size (HSDP) over a subgroup of the ranks "
-                             "(trainer.mode=async) is not supported")
+        if group is not None:
+            raise ValueError("HSDP over a subgroup of the ranks needs its mesh made by every "
+                             "rank beforehand (hsdp_mesh)")
         if world_size % shard_size:
             raise ValueError(f"trainer.fsdp_shard_size={shard_size} does not divide "
                              f"{world_size} ranks")
-        mesh = init_device_mesh(device_type, (world_size // shard_size, shard_size),
+        return init_device_mesh(device_type, (world_size // shard_size, shard_size),
                                 mesh_dim_names=("replicate", "shard"))
-    elif group is not None:
-        mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp",))
-    else:
-        mesh = init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
-    return fully_shard_layers(model, mesh, offload)
+    if group is not None:
+        return DeviceMesh.from_group(group, device_type, mesh_dim_names=("dp",))
+    return init_device_mesh(device_type, (world_size,), mesh_dim_names=("dp",))
 
 
 def fully_shard_layers(model: torch.nn.Module, mesh: DeviceMesh,

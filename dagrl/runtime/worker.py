@@ -52,6 +52,7 @@ from dagrl.engines.memory_estimate import (
     other_model_shapes,
 )
 from dagrl.engines.models import DTYPES, load_tokenizer
+from dagrl.engines.sharding import hsdp_mesh
 from dagrl.engines.weight_channel import WeightSender
 from dagrl.observe.loggers import GENERATIONS_FILE, RunLogger, append_generations, truncate_jsonl
 from dagrl.observe.memory import GB, host_rss_bytes
@@ -186,7 +187,8 @@ class Worker:
                                       device_type=self.device.type)
         self.engines = build_engines(cfg, needed, self.device, layout=self.layout, log=self.log,
                                      tokenizer=tokenizer,
-                                     dp_group=side.group if kind != "all" else None)
+                                     dp_group=side.group if kind != "all" else None,
+                                     hsdp_mesh=self._trainer_hsdp_mesh())
         # The config's extra policies (config/models.py), each with its own engines; their
         # prompts are made from the main policy's answers (a handoff node).
         self.model_engines = {
@@ -194,6 +196,20 @@ class Worker:
                                 self.device, world_size=self.world_size, log=self.log,
                                 handed_prompts=True)
             for name in cfg.models}
+
+    def _trainer_hsdp_mesh(self):
+        """Async with HSDP: the trainer side's (replicate, shard) mesh, made here by every rank
+        (its process groups are made by all ranks of the run); the rollout ranks hold it
+        unused. None otherwise."""
+        p = self.placement
+        if p.kind == "all":
+            return None
+        trainer = p.side if p.kind == "trainer" else p.peer
+        layout = EngineLayout.of(self.cfg, self.world_size, side_ranks=trainer.ranks,
+                                 side="trainer", device_type=self.device.type)
+        if not layout.hsdp:
+            return None
+        return hsdp_mesh(trainer.ranks, layout.fsdp_shard_size, self.device.type)
 
     def _estimate_memory(self, needed: set[str], runtime_rss: int) -> float:
         """The plan's estimate, for the report beside the measured peak: the largest over the
