@@ -643,8 +643,8 @@ def _check_async(cfg: Config) -> None:
     _check(a.model_parallel_size == 1,
            f"trainer.mode=async with actor.tensor_parallel_size ({a.tensor_parallel_size}) or "
            f"actor.sequence_parallel_size ({a.sequence_parallel_size}) > 1 is not supported "
-           "yet (the trainer ranks shard over one 1-D group); set both to 1 or "
-           "trainer.mode=sync")
+           "yet (the replicated training layout, its moves and mesh, is built over all ranks, "
+           "not over the trainer side's); set both to 1 or trainer.mode=sync")
     _check(not cfg.models,
            f"trainer.mode=async with `models` ({', '.join(sorted(cfg.models))}) is not "
            "supported yet (extra policies are sharded over every rank); drop `models` or set "
