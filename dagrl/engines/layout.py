@@ -112,17 +112,20 @@ class EngineLayout:
         return self.mesh[1] if self.mesh else 1
 
     @property
+    def fsdp_ranks(self) -> int:
+        """Ranks FSDP2 averages gradients over: dp x sp on the mesh, else the side's."""
+        return self.mesh[0] * self.mesh[1] if self.mesh else self.side_size
+
+    @property
     def model_shard_size(self) -> int:
         """Ranks FSDP2 shards the actor, reference and critic over (each tp slice, under
-        tensor parallelism): HSDP's groups, else dp x sp on the mesh or the side's ranks."""
-        fsdp_ranks = self.mesh[0] * self.mesh[1] if self.mesh else self.side_size
-        return min(self.fsdp_shard_size, fsdp_ranks)
+        tensor parallelism): HSDP's groups, else all the fsdp ranks."""
+        return min(self.fsdp_shard_size, self.fsdp_ranks)
 
     @property
     def replicas(self) -> int:
         """HSDP: the FSDP2 groups, each holding a whole copy (1: plain FSDP2)."""
-        fsdp_ranks = self.mesh[0] * self.mesh[1] if self.mesh else self.side_size
-        return fsdp_ranks // self.model_shard_size
+        return self.fsdp_ranks // self.model_shard_size
 
     @property
     def hsdp(self) -> bool:

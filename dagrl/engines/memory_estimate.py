@@ -135,8 +135,7 @@ def model_config(cfg: Config):
     m = cfg.model
     if m.path.startswith(BUILTIN_PREFIX) and m.path[len(BUILTIN_PREFIX):] in TINY_FAMILIES:
         return tiny_model_config(m.path[len(BUILTIN_PREFIX):], len(build_char_tokenizer()),
-                                 m.tiny_hidden_size, m.tiny_layers, heads=m.tiny_heads,
-                                 kv_heads=m.tiny_heads // 2)
+                                 m.tiny_hidden_size, m.tiny_layers, heads=m.tiny_heads)
     return _config_at(m.path, m.gguf_file)
 
 

@@ -71,12 +71,13 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def tiny_model_config(family: str, vocab_size: int, hidden_size: int, layers: int,
-                      max_positions: int = 256, heads: int = 2, kv_heads: int = 1):
+                      max_positions: int = 256, heads: int = 2, kv_heads: int | None = None):
     """Config of a small randomly initialised Qwen2 or Llama causal LM (GQA, tied embeddings).
 
-    By default two query heads share one key/value head: head size hidden/2, 32 at the
-    default width, the smallest vLLM's CPU attention runs (so rollout.backend=vllm works on
-    the default task)."""
+    Two query heads share each key/value head unless `kv_heads` says otherwise; by default 2
+    heads: head size hidden/2, 32 at the default width, the smallest vLLM's CPU attention runs
+    (so rollout.backend=vllm works on the default task)."""
+    kv_heads = kv_heads or max(heads // 2, 1)
     common = {
         "vocab_size": vocab_size, "hidden_size": hidden_size, "intermediate_size": 4 * hidden_size,
         "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
@@ -91,7 +92,8 @@ def tiny_model_config(family: str, vocab_size: int, hidden_size: int, layers: in
 
 
 def write_tiny_model(out_dir: str | Path, family: str = "tiny-qwen2", *, hidden_size: int = 64,
-                     layers: int = 2, seed: int = 0, heads: int = 2, kv_heads: int = 1) -> Path:
+                     layers: int = 2, seed: int = 0, heads: int = 2,
+                     kv_heads: int | None = None) -> Path:
     """Write a seeded tiny model and its character tokenizer as a HF directory; returns it.
 
     Written into a temporary sibling directory and renamed into place, so a crash never leaves
@@ -161,7 +163,7 @@ def resolve_builtin_model(path: str, out_root: str | Path, *, hidden_size: int, 
     out = Path(out_root) / f"{family}-{shape}-s{seed}"
     if not (out / "config.json").exists():
         write_tiny_model(out, family, hidden_size=hidden_size, layers=layers, seed=seed,
-                         heads=heads, kv_heads=heads // 2)
+                         heads=heads)
     return str(out)
 
 

@@ -185,10 +185,11 @@ class Worker:
                                       side_ranks=side.ranks if kind != "all" else None,
                                       side=kind if kind != "all" else None,
                                       device_type=self.device.type)
+        hsdp = self._trainer_hsdp_mesh()   # every rank makes it; the trainer ranks shard on it
         self.engines = build_engines(cfg, needed, self.device, layout=self.layout, log=self.log,
                                      tokenizer=tokenizer,
                                      dp_group=side.group if kind != "all" else None,
-                                     hsdp_mesh=self._trainer_hsdp_mesh())
+                                     hsdp_mesh=hsdp if kind == "trainer" else None)
         # The config's extra policies (config/models.py), each with its own engines; their
         # prompts are made from the main policy's answers (a handoff node).
         self.model_engines = {
@@ -205,8 +206,9 @@ class Worker:
         if p.kind == "all":
             return None
         trainer = p.side if p.kind == "trainer" else p.peer
-        layout = EngineLayout.of(self.cfg, self.world_size, side_ranks=trainer.ranks,
-                                 side="trainer", device_type=self.device.type)
+        layout = self.layout if p.kind == "trainer" else EngineLayout.of(
+            self.cfg, self.world_size, side_ranks=trainer.ranks, side="trainer",
+            device_type=self.device.type)
         if not layout.hsdp:
             return None
         return hsdp_mesh(trainer.ranks, layout.fsdp_shard_size, self.device.type)
