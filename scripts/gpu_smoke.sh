@@ -81,6 +81,22 @@ one_gpu_step "1 worker, bfloat16 mixed precision + LoRA" gpu1-lora model.mixed_p
 one_gpu_step "1 worker, PPO (critic)" gpu1-ppo algorithm.name=ppo
 one_gpu_step "1 worker, checkpointing + packing + chunked LM head" gpu1-mem \
     actor.activation_checkpointing=true model.pack_sequences=true actor.logits_chunk_tokens=4
+# The composed recipes of issue 34 in one worker on the device: multi-turn (gapped masks, turn
+# rewards), a judge, DAPO's filter, validation and the profiler; tools with two policies, LoRA and
+# PPO's critic.
+MT=(rollout.multi_turn.enable=true rollout.multi_turn.format=tiny rollout.multi_turn.max_turns=3)
+one_gpu_step "1 worker, environment + judge + DAPO + validation + profiler" gpu1-env "${MT[@]}" \
+    rollout.multi_turn.environment=guess_number data.train_files=[builtin:guess-number] \
+    data.max_prompt_length=32 rollout.max_new_tokens=32 rollout.multi_turn.max_tokens_per_turn=3 \
+    reward.source=judge judge.path=builtin:tiny-qwen2 judge.backend=hf \
+    "judge.template=q {prompt} a {response}" 'judge.score_pattern=(\d)' judge.max_new_tokens=4 \
+    judge.score_scale=9 algorithm.name=dapo data.val_files=[builtin:arith] trainer.val_every=1 \
+    profiler.enable=true
+one_gpu_step "1 worker, tools + two policies + LoRA + PPO" gpu1-agents "${MT[@]}" \
+    rollout.multi_turn.tools=[calculator] rollout.max_new_tokens=16 \
+    rollout.multi_turn.max_tokens_per_turn=6 actor.lora.rank=8 algorithm.name=ppo \
+    dag.graph=examples/two_policies.graph.yaml models.refiner.model.path=builtin:tiny-llama \
+    models.refiner.rollout.max_new_tokens=6 algorithm.kl_loss_coef=0
 BIG=(model.tiny_hidden_size=1024 model.tiny_layers=12 model.mixed_precision=bfloat16
      data.train_batch_size=32 actor.mini_batch_size=32 rollout.n=8 rollout.max_new_tokens=64
      actor.micro_batch_size=64 ref.micro_batch_size=64)

@@ -311,7 +311,7 @@ class _Build:
 
         engine = judge_rollout(j, load, eos_token_id=tokenizer.eos_token_id,
                                pad_token_id=tokenizer.pad_token_id)
-        return Judge(j, engine, tokenizer)
+        return Judge(j, engine, tokenizer, self.device)
 
 
 def reward_manager(r: RewardConfig) -> RewardManager:

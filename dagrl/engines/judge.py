@@ -47,12 +47,15 @@ class JudgeResult:
 
 
 class Judge:
-    """Grades responses with `engine` (which holds the judge model) and the judge's tokenizer."""
+    """Grades responses with `engine` (which holds the judge model) and the judge's tokenizer.
+    `device`: where the engine takes its inputs (an in-process engine's model's device)."""
 
-    def __init__(self, cfg: JudgeConfig, engine: RolloutEngine, tokenizer) -> None:
+    def __init__(self, cfg: JudgeConfig, engine: RolloutEngine, tokenizer,
+                 device: torch.device | str = "cpu") -> None:
         self.cfg = cfg
         self.engine = engine
         self.tokenizer = tokenizer
+        self.device = torch.device(device)
         self.pattern = re.compile(cfg.score_pattern)
 
     def render(self, prompt: Any, response: str, ground_truth: Any) -> str:
@@ -83,7 +86,10 @@ class Judge:
             for i, e in enumerate(encoded):
                 ids[i, width - len(e):] = torch.tensor(e)
                 mask[i, width - len(e):] = 1
-            out = self.engine.generate(ids, mask, seeds[start:start + mb],
+            # Rollout engines take their inputs on their model's device (the policy's come from
+            # the batch, already there); the judge's prompts are tokenized here, on the host.
+            out = self.engine.generate(ids.to(self.device), mask.to(self.device),
+                                       seeds[start:start + mb].to(self.device),
                                        SamplingParams(temperature=self.cfg.temperature),
                                        max_new_tokens=self.cfg.max_new_tokens)
             rows = [r[m.bool()].tolist() for r, m in zip(out.responses.cpu(),
