@@ -584,8 +584,9 @@ policy on 127.0.0.1 that the test starts.
 Kinds: *semantic* changes what a step computes; *layout* only where and how (the run must
 reproduce 1 worker); *observer* records (validation, the profiler: kept in the 1-worker run);
 *launcher* starts the workers (in-process: 1 worker; Ray and torchrun: 2, or 4 or 8 where the
-levels need them: HSDP under tensor parallelism is 2 replicas x 2 shards x tp 2, and async HSDP
-needs 4 trainer ranks in 2 groups beside the rollout ranks).
+levels need them: HSDP under tensor parallelism is 2 replicas x 2 shards x tp 2, async HSDP
+needs 4 trainer ranks in 2 groups beside the rollout ranks, and async tp or sp a trainer side of
+tp x sp ranks).
 
 The features are those of issue 34's list: the rollout backends, async, the two multi-turn
 kinds, LoRA, TP, SP, HSDP, offload, a second policy, the reward sources, DAPO's filter, PPO's

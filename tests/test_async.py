@@ -91,18 +91,46 @@ def test_async_config_is_checked_and_planned():
     first_trainer_node = sides.trainer_nodes[0]
     buffer = f"reshard ranks 1 -> ranks 0 (before {first_trainer_node})"   # the buffer
     assert any(d.startswith(buffer) for d in described), described   # "; <= N samples x ..."
-    # What async does not combine with yet is refused, naming the keys.
-    base = ["trainer.mode=async", "trainer.n_workers=2"]
-    with pytest.raises(ConfigError, match="trainer.mode=async with actor.tensor_parallel_size"):
-        load_config(Config, None, [*base, "actor.tensor_parallel_size=2"])
-    with pytest.raises(ConfigError, match="actor.sequence_parallel_size"):
-        load_config(Config, None, [*base, "actor.sequence_parallel_size=2"])
-    with pytest.raises(ConfigError, match="trainer.mode=async with `models`"):
-        load_config(Config, None, [*base, "models={refiner: {}}"])
     # Scoring models, validation and the profiler run on their side.
+    base = ["trainer.mode=async", "trainer.n_workers=2"]
     load_config(Config, None, [*base, "reward.source=judge", "judge.path=/x",
                                "data.val_files=[builtin:arith]", "trainer.val_every=2",
                                "profiler.enable=true"])
+
+
+def test_async_tensor_parallelism_is_planned_on_the_trainer_side():
+    """tp x sp under async: the training layout's replicas are made of the trainer ranks only
+    (the buffer delivers sharded batches there, then one replicate); the rollout side's
+    reference runs sharded (it has no training mesh)."""
+    base = ["trainer.mode=async", "actor.sequence_parallel_size=2"]
+    cfg = load_config(Config, None, [*base, "trainer.n_workers=4"])
+    _, _, plans, sides = plan_with_sides(cfg, 4)
+    assert sides.trainer_ranks == (0, 1) and "ref_logprob" in sides.rollout_nodes
+    trainer = [t for t in plans[0].tasks if t.node_id in sides.trainer_nodes]
+    replicate = next(t for t in trainer if t.kind == "replicate")
+    assert (replicate.src, replicate.dst, replicate.group) == ((0, 1), (0, 1), 2)
+    update = next(t for t in trainer if t.kind == "node" and t.role == "actor_update")
+    assert update.group == 2 and trainer.index(replicate) < trainer.index(update)
+    rollout = [t for t in plans[2].tasks if t.node_id in sides.rollout_nodes]
+    assert rollout and all(t.group == 1 and t.dst == (2, 3) for t in rollout)
+    assert not any(t.kind in ("replicate", "unreplicate") for t in plans[2].tasks)
+    # A trainer side that does not split into tp x sp groups is refused before any work.
+    cfg = load_config(Config, None, [*base, "trainer.n_workers=2"])
+    with pytest.raises(GraphError, match=r"must divide the async trainer side's 1 rank\(s\)"):
+        plan_with_sides(cfg, 2)
+
+
+def test_a_second_policy_is_placed_on_both_sides_in_async_mode():
+    """examples/two_policies: the refiner generates and is scored on the rollout side (the
+    handoff and the reward mix follow their inputs there), and trains on the trainer side."""
+    cfg = load_config(Config, None, [
+        "trainer.mode=async", "trainer.n_workers=2",
+        "dag.graph=examples/two_policies.graph.yaml",
+        "models.refiner.model.path=builtin:tiny-llama", "algorithm.kl_loss_coef=0"])
+    _, _, _, sides = plan_with_sides(cfg, 2)
+    assert {"handoff", "refiner_rollout", "refiner_reward", "team_reward"} <= set(
+        sides.rollout_nodes)
+    assert "refiner_actor_update" in sides.trainer_nodes, sides.trainer_nodes
 
 
 # --- the buffer and the weights over real process groups ---------------------------------------

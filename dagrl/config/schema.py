@@ -630,7 +630,7 @@ def _check_multi_turn(cfg: Config) -> None:
 
 
 def _check_async(cfg: Config) -> None:
-    """trainer.mode=async and what it does not support yet (docs/async.md)."""
+    """trainer.mode=async: rollout and training on different workers (docs/async.md)."""
     r, t = cfg.rollout, cfg.trainer
     _check(not r.partial or cfg.is_async, "rollout.partial needs trainer.mode=async")
     if not cfg.is_async:
@@ -638,14 +638,5 @@ def _check_async(cfg: Config) -> None:
     _check(t.n_workers >= 2, f"trainer.mode=async needs trainer.n_workers >= 2 (rollout and "
                              f"training run on different workers), got {t.n_workers}")
     # Whether rollout.backend can serve async mode (take each new policy's weights, and be
-    # built on the rollout ranks alone) is the backend's own check (RolloutBackend.check_config).
-    a = cfg.actor
-    _check(a.model_parallel_size == 1,
-           f"trainer.mode=async with actor.tensor_parallel_size ({a.tensor_parallel_size}) or "
-           f"actor.sequence_parallel_size ({a.sequence_parallel_size}) > 1 is not supported "
-           "yet (the replicated training layout, its moves and mesh, is built over all ranks, "
-           "not over the trainer side's); set both to 1 or trainer.mode=sync")
-    _check(not cfg.models,
-           f"trainer.mode=async with `models` ({', '.join(sorted(cfg.models))}) is not "
-           "supported yet (extra policies are sharded over every rank); drop `models` or set "
-           "trainer.mode=sync")
+    # built on the rollout ranks alone) is the backend's own check (RolloutBackend.check_config),
+    # for the main policy and each of `models` (config/models.py).

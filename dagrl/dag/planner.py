@@ -9,14 +9,17 @@ task only in the lists of the ranks that host the node.
 
 Two kinds of layout. *Sharded* (the rollout layout): each rank of the node's ranks holds its
 own samples. *Replicated* (the training layout under tensor or sequence parallelism, `group` =
-tp x sp > 1): the workers form world / group data-parallel replicas of `group` consecutive
-ranks, and every rank of a replica holds all of the replica's samples (its ranks run the model
-together). Nodes whose role runs a parallel model (`model_roles`) need the replicated layout;
-other nodes on all ranks run in whichever layout the batch is in (each rank of a replica then
-computes the same result); nodes on a subset of ranks need a sharded layout. Between them:
+tp x sp > 1): the training ranks (`model_ranks`: all of them, or trainer.mode=async's trainer
+side) form data-parallel replicas of `group` consecutive ranks, and every rank of a replica
+holds all of the replica's samples (its ranks run the model together). Nodes on the training
+ranks whose role runs a parallel model (`model_roles`) need the replicated layout; other nodes
+on those ranks run in whichever layout the batch is in (each rank of a replica then computes
+the same result); nodes on other ranks need a sharded layout (an async rollout side's
+reference runs its forward sharded: the training mesh is the trainer side's). Between them:
 
   replicate    sharded -> replicated: whole groups balanced over the replicas (one
-               all_to_all), then gathered within each replica (one all-gather)
+               all_to_all), then gathered within each replica (one all-gather); from other
+               ranks, a reshard onto the training ranks first
   unreplicate  replicated -> sharded: rank i of a replica keeps the i-th 1/group of its
                groups; no data moves
 """
@@ -109,35 +112,42 @@ def node_ranks(node: NodeSpec, world_size: int) -> tuple[int, ...]:
 def make_plan(graph: GraphSpec, order: list[str], world_size: int,
               balance_roles: frozenset[str] = frozenset(), *, group: int = 1,
               model_roles: frozenset[str] = frozenset(),
+              model_ranks: tuple[int, ...] | None = None,
               sizes: PlanSizes | None = None) -> list[RankPlan]:
     """One RankPlan per rank for the nodes in `order` (from `validate_graph`); nodes whose
     role is in `balance_roles` (the training roles) get a balance task when on several ranks
-    (replicas). `group` > 1: nodes whose role is in `model_roles` run in the replicated layout
-    of world_size / group replicas (module docstring). `sizes`: volumes for the moves."""
+    (replicas). `group` > 1: nodes on `model_ranks` (default: every rank) whose role is in
+    `model_roles` run in the replicated layout of len(model_ranks) / group replicas (module
+    docstring). `sizes`: volumes for the moves."""
     everyone = tuple(range(world_size))
-    if world_size % group:
-        raise GraphError(f"{world_size} ranks do not split into replicas of {group}")
+    model_ranks = everyone if model_ranks is None else tuple(model_ranks)
+    if len(model_ranks) % group:
+        raise GraphError(f"the {len(model_ranks)} training ranks do not split into replicas "
+                         f"of {group}")
     layout, replicated = everyone, 1       # the prompts start spread over all ranks
     tasks: list[Task] = []
     for node_id in order:
         node = graph.node(node_id)
         ranks = node_ranks(node, world_size)
-        if group > 1 and node.role in model_roles:
-            if ranks != everyone:
-                raise GraphError(f"node {node.id!r} runs a tensor/sequence-parallel model, so "
-                                 "it must run on every rank (drop its options.ranks)")
-            want = (everyone, group)
-        elif replicated > 1 and ranks == everyone:
-            want = (everyone, replicated)      # stays in the replicas: no move
+        if group > 1 and node.role in model_roles and ranks == model_ranks:
+            want = (model_ranks, group)
+        elif group > 1 and node.role in model_roles and model_ranks == everyone:
+            raise GraphError(f"node {node.id!r} runs a tensor/sequence-parallel model, so "
+                             "it must run on every rank (drop its options.ranks)")
+        elif replicated > 1 and ranks == layout:
+            want = (layout, replicated)        # stays in the replicas: no move
         else:
             want = (ranks, 1)
         if want != (layout, replicated):
             if replicated > 1:
-                tasks.append(Task("unreplicate", node_id, node.role, src=everyone,
-                                  dst=everyone, group=replicated))
-                layout, replicated = everyone, 1
+                tasks.append(Task("unreplicate", node_id, node.role, src=layout,
+                                  dst=layout, group=replicated))
+                replicated = 1
+            if want[1] > 1 and layout != want[0]:
+                tasks.append(Task("reshard", node_id, node.role, src=layout, dst=want[0]))
+                layout = want[0]
             if want[1] > 1:
-                tasks.append(Task("replicate", node_id, node.role, src=layout, dst=everyone,
+                tasks.append(Task("replicate", node_id, node.role, src=layout, dst=want[0],
                                   group=want[1]))
             elif want[0] != layout:
                 tasks.append(Task("reshard", node_id, node.role, src=layout, dst=want[0]))
@@ -151,9 +161,8 @@ def make_plan(graph: GraphSpec, order: list[str], world_size: int,
                           model=node.model))
     if sizes is not None:
         tasks = [_with_volume(t, sizes, world_size) for t in tasks]
-    # Moves involve every rank; nodes and balances only the ranks of their layout.
-    moves = ("reshard", "replicate", "unreplicate")
-    return [RankPlan(r, tuple(t for t in tasks if t.kind in moves or r in t.dst))
+    # Reshards involve every rank; the rest only the ranks of their layout.
+    return [RankPlan(r, tuple(t for t in tasks if t.kind == "reshard" or r in t.dst))
             for r in everyone]
 
 
@@ -167,10 +176,10 @@ def _with_volume(task: Task, sizes: PlanSizes, world_size: int) -> Task:
     elif task.kind == "replicate":
         # The all-gather brings the other group - 1 ranks' shares of the replica; balancing
         # over several replicas first brings at most a rank's whole share.
-        replicas = world_size // task.group
+        replicas = len(task.dst) // task.group
         into = samples / replicas * (task.group - 1) / task.group
         if replicas > 1:
-            into += samples / world_size
+            into += samples / len(task.dst)
     else:
         return task
     return replace(task, samples_in=into, sample_bytes=sizes.sample_bytes.get(task.node_id, 0))

@@ -1,8 +1,9 @@
 """Moves into and out of the replicated (training) layout under tensor / sequence parallelism.
 
-The world's ranks form W / g data-parallel replicas of g consecutive ranks (rank r is rank
-r mod g of replica r // g); the ranks of a replica run one model together, so each must hold
-every sample of its replica, in the same order.
+The training ranks (all W of them, or an async trainer side's W) form W / g data-parallel
+replicas of g consecutive ranks (the layout's r-th rank is rank r mod g of replica r // g); the
+ranks of a replica run one model together, so each must hold every sample of its replica, in
+the same order.
 
 - `to_replicas(batch, g)`: from any sharded layout. Whole groups are assigned to replicas by
   `balanced_partition` of their tokens (equal group counts, similar tokens), and each replica's
@@ -40,17 +41,19 @@ def _runs(count: int, parts: int) -> list[int]:
     return list(np.searchsorted(bounds, np.arange(count), side="right") - 1)
 
 
-def to_replicas(batch: Batch, group_size: int, replica_group: dist.ProcessGroup | None, *,
+def to_replicas(batch: Batch, group_size: int, replica_group: dist.ProcessGroup | None,
+                layout_group: dist.ProcessGroup | None = None, *,
                 device: torch.device | str = HOST) -> Batch:
-    """Collective over all ranks (see the module docstring); `replica_group`: this rank's
-    replica's process group (None: the replica is the whole world)."""
-    world = dist.get_world_size()
+    """Collective over the layout's ranks (`layout_group`; None: all ranks; see the module
+    docstring); `replica_group`: this rank's replica's process group (None: the replica is the
+    whole layout)."""
+    world = dist.get_world_size(layout_group)
     replicas = world // group_size
     starts = group_runs(batch)
     tokens = sample_tokens(batch).numpy()
     mine = [int(x) for x in np.add.reduceat(tokens, starts)] if len(starts) else []
     gathered: list[list[int]] = [None] * world  # type: ignore[list-item]
-    dist.all_gather_object(gathered, mine)
+    dist.all_gather_object(gathered, mine, group=layout_group)
     everything = [w for per_rank in gathered for w in per_rank]
     replica_of = balanced_partition(everything, replicas)
     # Within a replica its groups, in global order, go in contiguous runs to its ranks.
@@ -59,11 +62,11 @@ def to_replicas(batch: Batch, group_size: int, replica_group: dist.ProcessGroup 
         members = [i for i, p in enumerate(replica_of) if p == d]
         for i, part in zip(members, _runs(len(members), group_size), strict=True):
             rank_of[i] = d * group_size + int(part)
-    offset = sum(len(g) for g in gathered[:dist.get_rank()])
+    offset = sum(len(g) for g in gathered[:dist.get_rank(layout_group)])
     sizes = np.diff(np.append(starts, len(batch)))
     dest = torch.as_tensor(np.repeat(np.asarray(rank_of[offset:offset + len(mine)],
                                                 dtype=np.int64), sizes))
-    share = exchange(batch, dest, device=device)
+    share = exchange(batch, dest, layout_group, device=device)
     return gather_replica(share, replica_group, device=device)
 
 

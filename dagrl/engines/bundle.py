@@ -45,7 +45,7 @@ from dagrl.engines.lora import (
     plain_copy,
     save_adapter_config,
 )
-from dagrl.engines.mesh import build_train_mesh, parallelize_model
+from dagrl.engines.mesh import TrainMesh, build_train_mesh, parallelize_model
 from dagrl.engines.model_build import actor_model, reference_model
 from dagrl.engines.models import DTYPES, cast_copy, load_model, load_tokenizer, plain_config
 from dagrl.engines.reward_model import RewardModelEngine, load_reward_model
@@ -129,19 +129,21 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
                   world_size: int = 1, log: Callable[[str], None] = print,
                   tokenizer=None, dp_group: dist.ProcessGroup | None = None,
                   layout: EngineLayout | None = None, handed_prompts: bool = False,
-                  hsdp_mesh: DeviceMesh | None = None) -> Engines:
+                  hsdp_mesh: DeviceMesh | None = None,
+                  train_mesh: TrainMesh | None = None) -> Engines:
     """Build the engines in `needed` (names from dagrl.roles.registry.ENGINES) as `layout`
     places them (engines/layout.py; default: a sync run of `world_size` ranks); `dp_group`:
     the group of `layout.side_ranks` when not all of them (trainer.mode=async: this side's
     ranks). `tokenizer`: the run's, when the caller has loaded it already (the worker does,
     for its pre-flight). `handed_prompts`: the model's prompts are another policy's answers (an
     extra model's, made by a handoff node), so data.max_prompt_length does not bound them.
-    `hsdp_mesh`: an async trainer side's HSDP mesh, made beforehand by every rank
-    (sharding.hsdp_mesh)."""
+    `hsdp_mesh` / `train_mesh`: an async trainer side's HSDP mesh or training mesh (tensor /
+    sequence parallelism), made beforehand by every rank (sharding.hsdp_mesh,
+    mesh.build_train_mesh with the side's ranks)."""
     if layout is None:
         layout = EngineLayout.of(cfg, world_size, device_type=device.type)
     _prepare_host(cfg, layout, device)
-    build = _Build(cfg, layout, device, needed, dp_group, hsdp_mesh)
+    build = _Build(cfg, layout, device, needed, dp_group, hsdp_mesh, train_mesh)
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model.path, cfg.model.gguf_file)
     engines = Engines(tokenizer=tokenizer, log=log)
@@ -195,13 +197,15 @@ class _Build:
 
     def __init__(self, cfg: Config, layout: EngineLayout, device: torch.device,
                  needed: set[str], shard_group: dist.ProcessGroup | None,
-                 hsdp_mesh: DeviceMesh | None = None) -> None:
+                 hsdp_mesh: DeviceMesh | None = None,
+                 train_mesh: TrainMesh | None = None) -> None:
         self.cfg, self.device = cfg, device
         self.shard_group = shard_group      # None: all ranks
         self.hsdp_mesh = hsdp_mesh          # HSDP over a subgroup (async trainer side)
-        self.mesh = (build_train_mesh(layout.side_size, layout.tp, layout.sp, device.type,
-                                      layout.fsdp_shard_size)
-                     if layout.mesh and needed & MESH_ENGINES else None)
+        if train_mesh is None and layout.mesh and needed & MESH_ENGINES:
+            train_mesh = build_train_mesh(layout.side_size, layout.tp, layout.sp, device.type,
+                                          layout.fsdp_shard_size)
+        self.mesh = train_mesh if layout.mesh else None
         if self.mesh is not None:   # sums over the replicas; gradients averaged over dp x sp
             dp_group = self.mesh.dp_group
         else:

@@ -4,7 +4,8 @@ computed once from the config and the ranks, and read by both the engine build (
 
     side          all (sync) | trainer | rollout (trainer.mode=async: one layout per side)
     side_ranks    the ranks the models built here shard over: all of them, or the side's
-    mesh          (dp, sp, tp) of the training mesh (tensor / sequence parallelism), or None
+    mesh          (dp, sp, tp) of the training mesh (tensor / sequence parallelism) over the
+                  ranks that train (sync: all; async: the trainer side's), or None
     fsdp_shard_size   ranks one FSDP2 group shards a model over: all the side's ranks, or
                   trainer.fsdp_shard_size (HSDP: the groups replicate; on the mesh, groups of
                   the dp x sp ranks that shard each tp slice)
@@ -81,7 +82,7 @@ class EngineLayout:
         config's trainer.device, or this machine's best for auto)."""
         _check(world_size > 0, f"trainer.n_workers must be > 0 (got {world_size})")
         side, ranks = _side(cfg, world_size, side_ranks, side)
-        mesh = _mesh(cfg, len(ranks))
+        mesh = _mesh(cfg, side, len(ranks))
         fsdp = _fsdp_shard_size(cfg, side, len(ranks), mesh)
         dp = mesh[0] if mesh else len(ranks)     # data-parallel ranks (replicas under tp/sp)
         return cls(
@@ -170,14 +171,20 @@ def _side(cfg: Config, world_size: int, ranks: tuple[int, ...] | None,
     return side, ranks
 
 
-def _mesh(cfg: Config, ranks: int) -> tuple[int, int, int] | None:
+def _mesh(cfg: Config, side: str, ranks: int) -> tuple[int, int, int] | None:
+    """The training mesh (dp, sp, tp) over the ranks that train. An async rollout side trains
+    nothing: its reference runs forward passes sharded over its ranks, no mesh (the planner
+    gives its nodes the sharded layout)."""
     a = cfg.actor
     tp, sp = a.tensor_parallel_size, a.sequence_parallel_size
-    if tp * sp == 1 or ranks == 1:
+    if tp * sp == 1 or side == "rollout" or (ranks == 1 and side == "all"):
         return None
+    where = (f"the async trainer side's {ranks} rank(s) (of trainer.n_workers="
+             f"{cfg.trainer.n_workers}; it needs >= {2 * tp * sp} workers)"
+             if side == "trainer" else f"the {ranks} ranks that shard the models")
     _check(ranks % (tp * sp) == 0,
            f"actor.tensor_parallel_size ({tp}) x actor.sequence_parallel_size ({sp}) must "
-           f"divide the {ranks} ranks that shard the models")
+           f"divide {where}")
     return ranks // (tp * sp), sp, tp
 
 

@@ -41,8 +41,10 @@ class TrainMesh:
     sp: int = 1
     tp: int = 1
     mesh: DeviceMesh | None = None        # None: one worker, nothing is sharded
-    # 1-D: dp, or dp x sp flattened; HSDP: 2-D (replicate, shard), shard = k of those ranks
-    fsdp_mesh: DeviceMesh | None = None
+    # The dims FSDP2 shards over: ("dp",), ("fsdp",) (dp x sp flattened) or, HSDP, the 2-D
+    # ("replicate", "shard"), shard = k of the dp x sp ranks. Sliced when used: a rank outside
+    # the mesh (an async rollout rank, which helped make its groups) cannot slice it.
+    fsdp_dims: tuple[str, ...] = ("dp",)
 
     @property
     def world(self) -> int:
@@ -52,6 +54,10 @@ class TrainMesh:
     def fsdp_size(self) -> int:
         """Ranks FSDP2 averages gradients over."""
         return self.dp * self.sp
+
+    @property
+    def fsdp_mesh(self) -> DeviceMesh | None:
+        return self.mesh[self.fsdp_dims] if self.mesh is not None else None
 
     @property
     def tp_mesh(self) -> DeviceMesh | None:
@@ -70,10 +76,13 @@ class TrainMesh:
 
 
 def build_train_mesh(world_size: int, tensor_parallel: int, sequence_parallel: int,
-                     device_type: str, shard_size: int = 0) -> TrainMesh:
+                     device_type: str, shard_size: int = 0,
+                     ranks: tuple[int, ...] | None = None) -> TrainMesh:
     """The (dp, sp, tp) mesh for `world_size` ranks (collective: every rank calls it).
     `shard_size` = k with 0 < k < dp x sp: HSDP over the fsdp ranks, k a multiple of sp (the
-    dp ranks split into dp x sp / k replicate groups of k / sp)."""
+    dp ranks split into dp x sp / k replicate groups of k / sp). `ranks`: the mesh's ranks
+    when not all of the run's (an async trainer side, `world_size` of them); every rank of the
+    run still calls this, since each of the mesh's process groups is made by all of them."""
     tp, sp = tensor_parallel, sequence_parallel
     if world_size % (tp * sp):
         raise ValueError(f"{world_size} workers do not split into tensor-parallel groups of {tp} "
@@ -82,13 +91,23 @@ def build_train_mesh(world_size: int, tensor_parallel: int, sequence_parallel: i
         return TrainMesh()
     dp = world_size // (tp * sp)
     if 0 < shard_size < dp * sp:
-        return _hsdp_mesh(dp, sp, tp, device_type, shard_size)
-    mesh = init_device_mesh(device_type, (dp, sp, tp), mesh_dim_names=("dp", "sp", "tp"))
-    fsdp = mesh["dp"] if sp == 1 else mesh["dp", "sp"]._flatten("fsdp")
-    return TrainMesh(dp, sp, tp, mesh, fsdp)
+        return _hsdp_mesh(dp, sp, tp, device_type, shard_size, ranks)
+    mesh = _device_mesh(device_type, (dp, sp, tp), ("dp", "sp", "tp"), ranks)
+    if sp == 1:
+        return TrainMesh(dp, sp, tp, mesh, ("dp",))
+    mesh["dp", "sp"]._flatten("fsdp")
+    return TrainMesh(dp, sp, tp, mesh, ("fsdp",))
 
 
-def _hsdp_mesh(dp: int, sp: int, tp: int, device_type: str, shard_size: int) -> TrainMesh:
+def _device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...],
+                 ranks: tuple[int, ...] | None) -> DeviceMesh:
+    if ranks is None:
+        return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return DeviceMesh(device_type, torch.tensor(ranks).view(shape), mesh_dim_names=names)
+
+
+def _hsdp_mesh(dp: int, sp: int, tp: int, device_type: str, shard_size: int,
+               ranks: tuple[int, ...] | None) -> TrainMesh:
     """HSDP on the training mesh: dp = replicate x dp_shard, each FSDP2 group the
     dp_shard x sp ranks of one replica (flattened, as torchtitan does with context
     parallelism); `dp` (one rank per data-parallel replica) is replicate x dp_shard again."""
@@ -98,11 +117,10 @@ def _hsdp_mesh(dp: int, sp: int, tp: int, device_type: str, shard_size: int) -> 
                          "ranks FSDP2 shards over")
     dp_shard = shard_size // sp
     names = ("replicate", "dp_shard", "sp", "tp")
-    mesh = init_device_mesh(device_type, (dp // dp_shard, dp_shard, sp, tp),
-                            mesh_dim_names=names)
+    mesh = _device_mesh(device_type, (dp // dp_shard, dp_shard, sp, tp), names, ranks)
     mesh["dp_shard", "sp"]._flatten("shard")
     mesh["replicate", "dp_shard"]._flatten("dp")
-    return TrainMesh(dp, sp, tp, mesh, mesh["replicate", "shard"])
+    return TrainMesh(dp, sp, tp, mesh, ("replicate", "shard"))
 
 
 def parallelize_model(model: torch.nn.Module, mesh: TrainMesh,

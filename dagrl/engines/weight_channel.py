@@ -14,7 +14,8 @@ trainer yields them, which the first trainer rank sends once at start (with the 
 the rollout ranks then hold exactly the trainer's weights, also after a resume).
 
 Messages, per version, trainer rank t0 -> each rollout rank: int64 [1] version, then each
-bucket [numel] in the rollout's dtype.
+bucket [numel] in the rollout's dtype. Each trained policy (the main one, then each of
+`models`) has a channel of its own, told apart by its message tag (`policy_tag`).
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ from dagrl.data.async_buffer import PendingSends, outliving_profiler
 from dagrl.engines.weight_sync import BUCKET_BYTES
 
 TAG_WEIGHTS = 1711
+
+
+def policy_tag(index: int) -> int:
+    """The message tag of the index-th policy's weights (0: the main policy)."""
+    return TAG_WEIGHTS + index
 Layout = list[tuple[str, tuple[int, ...]]]
 
 
@@ -54,9 +60,10 @@ class WeightSender:
 
     def __init__(self, rollout_ranks: Sequence[int], *, is_source: bool, dtype: torch.dtype,
                  last_version: int, group: dist.ProcessGroup | None = None,
-                 bucket_bytes: int = BUCKET_BYTES) -> None:
+                 bucket_bytes: int = BUCKET_BYTES, tag: int = TAG_WEIGHTS) -> None:
         self.rollout_ranks, self.is_source = tuple(rollout_ranks), is_source
         self.dtype, self.group, self.bucket_bytes = dtype, group, bucket_bytes
+        self.tag = tag
         self.last_version = last_version
         self.weights_version = 0    # the policy version (training steps) last sent
         self._pending = PendingSends()
@@ -89,7 +96,7 @@ class WeightSender:
             return
         keep: list[torch.Tensor] = [torch.tensor([version], dtype=torch.int64)]
         with outliving_profiler():
-            works = [dist.isend(keep[0], dst, group=self.group, tag=TAG_WEIGHTS)
+            works = [dist.isend(keep[0], dst, group=self.group, tag=self.tag)
                      for dst in self.rollout_ranks]
         bucket: list[torch.Tensor] = []
         size = 0
@@ -99,7 +106,7 @@ class WeightSender:
             flat = torch.cat(bucket)   # [numel of the bucket], the rollout's dtype
             keep.append(flat)
             with outliving_profiler():
-                works.extend(dist.isend(flat, dst, group=self.group, tag=TAG_WEIGHTS)
+                works.extend(dist.isend(flat, dst, group=self.group, tag=self.tag)
                              for dst in self.rollout_ranks)
 
         for _, tensor in named:
@@ -123,8 +130,8 @@ class WeightReceiver:
 
     def __init__(self, engine, source: int, *, dtype: torch.dtype, last_version: int,
                  group: dist.ProcessGroup | None = None,
-                 bucket_bytes: int = BUCKET_BYTES) -> None:
-        self.engine, self.source, self.group = engine, source, group
+                 bucket_bytes: int = BUCKET_BYTES, tag: int = TAG_WEIGHTS) -> None:
+        self.engine, self.source, self.group, self.tag = engine, source, group, tag
         self.last_version = last_version
         box: list = [None]
         dist.recv_object_list(box, source, group=self.group)
@@ -144,8 +151,8 @@ class WeightReceiver:
         be polled: see data/async_buffer.PendingSends) and raises the event when all are in."""
         with outliving_profiler():
             works = [dist.irecv(self.version_box, self.source, group=self.group,
-                                tag=TAG_WEIGHTS)]
-            works += [dist.irecv(b, self.source, group=self.group, tag=TAG_WEIGHTS)
+                                tag=self.tag)]
+            works += [dist.irecv(b, self.source, group=self.group, tag=self.tag)
                       for b in self.buckets]
         arrived = self._arrived = threading.Event()
 

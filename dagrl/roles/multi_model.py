@@ -95,7 +95,7 @@ def _other_model(ctx: NodeContext, key: str) -> str:
     return name
 
 
-@register_role("handoff", engines=())
+@register_role("handoff", engines=(), side="follower")   # async: beside its inputs
 def handoff(ctx: NodeContext, batch: Batch) -> Batch:
     """Prompts of model `to` made from the main policy's samples: `template` is formatted with
     {prompt} (the question) and {response} (the main policy's decoded answer), then encoded
@@ -144,7 +144,7 @@ def left_pad(ids: torch.Tensor, mask: torch.Tensor, width: int, pad_token_id: in
             torch.nn.functional.pad(mask, (extra, 0), value=0))
 
 
-@register_role("mix_rewards", engines=())
+@register_role("mix_rewards", engines=(), side="follower")
 def mix_rewards(ctx: NodeContext, batch: Batch) -> Batch:
     """The main policy's outcome reward mixed with model `from`'s reward on the same sample:
 

@@ -61,7 +61,7 @@ def plan_for(cfg: Config, world_size: int) -> tuple[GraphSpec, list[str], list[R
 def plan_with_sides(cfg: Config, world_size: int
                     ) -> tuple[GraphSpec, list[str], list[RankPlan], AsyncSides | None]:
     """`plan_for`, and under trainer.mode=async the graph placed on its two sides first (None
-    in sync mode; the config refuses async with tensor/sequence parallelism or `models`)."""
+    in sync mode)."""
     import_user_modules(cfg.dag.modules)
     graph = build_graph(cfg)
     order = validate_graph(graph, ROLES)
@@ -76,9 +76,18 @@ def plan_with_sides(cfg: Config, world_size: int
                                           roles_on_side("follower"), refusals)
     trains = frozenset(name for name in ROLES if ROLES.get(name).trains)
     models = frozenset(name for name in ROLES if ROLES.get(name).runs_model)
+    # The training mesh is the trainer side's in async mode (engines/layout.py).
+    model_ranks = sides.trainer_ranks if sides is not None else tuple(range(world_size))
     group = cfg.actor.model_parallel_size if world_size > 1 else 1
+    if len(model_ranks) % group:
+        a = cfg.actor
+        raise GraphError(f"actor.tensor_parallel_size ({a.tensor_parallel_size}) x "
+                         f"actor.sequence_parallel_size ({a.sequence_parallel_size}) must divide "
+                         f"the async trainer side's {len(model_ranks)} rank(s) "
+                         f"{list(model_ranks)}: use more workers (trainer.n_workers >= "
+                         f"{2 * group}) or trainer.mode=sync")
     plans = make_plan(graph, order, world_size, trains, group=group, model_roles=models,
-                      sizes=plan_sizes(cfg, graph, order))
+                      model_ranks=model_ranks, sizes=plan_sizes(cfg, graph, order))
     return graph, order, plans, sides
 
 

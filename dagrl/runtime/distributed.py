@@ -37,8 +37,10 @@ class DistContext:
     # group is already gloo).
     cpu_group: dist.ProcessGroup | None = None
     layout_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
-    # The replicated (training) layout under tensor / sequence parallelism: ranks per replica,
-    # this rank's replica, and its peers (the rank at its position in every replica).
+    # The replicated (training) layout under tensor / sequence parallelism: its ranks (all, or
+    # an async trainer side's), ranks per replica, this rank's replica, and its peers (the rank
+    # at its position in every replica). None where this rank is not in the layout.
+    replica_layout: tuple[int, ...] = ()
     replica_size: int = 1
     replica_group: dist.ProcessGroup | None = None
     peer_group: dist.ProcessGroup | None = None
@@ -59,10 +61,17 @@ class DistContext:
         return self.layout_groups[ranks]
 
     @property
+    def rank_in_replica(self) -> int:
+        """This rank's position in its replica of the training layout (0 outside it)."""
+        if self.rank not in self.replica_layout:
+            return 0
+        return self.replica_layout.index(self.rank) % self.replica_size
+
+    @property
     def is_replica_leader(self) -> bool:
         """The first rank of its replica: the one whose node metrics count (the replica's other
         ranks compute the same numbers)."""
-        return self.rank % self.replica_size == 0
+        return self.rank_in_replica == 0
 
     def barrier(self) -> None:
         if self.distributed:
@@ -118,14 +127,16 @@ def create_layout_groups(ctx: DistContext, plans: list[RankPlan]) -> None:
                 layouts.append(task.dst)
     for ranks in layouts:
         ctx.layout_groups[ranks] = dist.new_group(list(ranks))
-    size = max((task.group for task in plans[0].tasks), default=1)
-    if size > 1:
-        ctx.replica_size = size
-        world = ctx.world_size
+    # The replicated layout (one per plan: the training ranks), from any rank's plan holding it.
+    replicate = next((task for plan in plans for task in plan.tasks
+                      if task.kind == "replicate"), None)
+    if replicate is not None:
+        ranks, size = list(replicate.dst), replicate.group
+        ctx.replica_layout, ctx.replica_size = tuple(ranks), size
         ctx.replica_group, _ = dist.new_subgroups_by_enumeration(
-            [list(range(d, d + size)) for d in range(0, world, size)])
+            [ranks[d:d + size] for d in range(0, len(ranks), size)])
         ctx.peer_group, _ = dist.new_subgroups_by_enumeration(
-            [list(range(i, world, size)) for i in range(size)])
+            [ranks[i::size] for i in range(size)])
 
 
 def shutdown() -> None:

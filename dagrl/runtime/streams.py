@@ -30,7 +30,7 @@ import torch.distributed as dist
 from dagrl.data.async_buffer import GroupReceiver, GroupSender
 from dagrl.data.batch import Batch
 from dagrl.data.dataset import PromptLoader
-from dagrl.engines.weight_channel import WeightReceiver
+from dagrl.engines.weight_channel import WeightReceiver, policy_tag
 from dagrl.observe.metrics import StepMetrics
 from dagrl.runtime.sides import Side
 
@@ -62,47 +62,63 @@ class PromptSource:
 
 
 class FreshWeightsPromptSource(PromptSource):
-    """The async rollout side's prompts: a step's batch is read only once the rollout engine
-    holds weights at most `max_staleness` versions behind the step's. The weights come from the
-    trainer's lead rank (engines/weight_channel.py) into `engine`; newer versions are taken
-    between requests and, with partial rollout, between chunks (`between_chunks`)."""
+    """The async rollout side's prompts: a step's batch is read only once the rollout engines
+    hold weights at most `max_staleness` versions behind the step's. The weights come from the
+    trainer's lead rank (engines/weight_channel.py) into `engines`, one per trained policy (the
+    main one first, then each of `models`: a channel each, in lockstep, since every training
+    step updates every policy); newer versions are taken between requests and, with partial
+    rollout, between chunks (`between_chunks`)."""
 
-    def __init__(self, loader: PromptLoader, device: torch.device, engine, *, source_rank: int,
-                 dtype: torch.dtype, last_version: int, max_staleness: int,
+    def __init__(self, loader: PromptLoader, device: torch.device, engines: list, *,
+                 source_rank: int, dtype: torch.dtype, last_version: int, max_staleness: int,
                  group: dist.ProcessGroup | None) -> None:
         super().__init__(loader, device)
-        self.engine, self.source_rank, self.dtype = engine, source_rank, dtype
+        self.engines, self.source_rank, self.dtype = engines, source_rank, dtype
         self.last_version, self.max_staleness, self.group = last_version, max_staleness, group
-        self.receiver: WeightReceiver | None = None
+        self.receivers: list[WeightReceiver] = []
         self.loads_mid_request = 0   # versions loaded between chunks during this step
+
+    @property
+    def version(self) -> int:
+        """The policy version every engine holds (the oldest of them)."""
+        return min(r.version for r in self.receivers)
 
     def begin(self, start: int, position: dict | None) -> None:
         super().begin(start, position)
-        # The trainer's lead sends the layout, then the weights of `start` (the checkpoint's).
-        self.receiver = WeightReceiver(self.engine, self.source_rank, dtype=self.dtype,
-                                       last_version=self.last_version, group=self.group)
-        self.receiver.wait_for(start)
+        # The trainer's lead sends each policy's layout, then its weights of `start` (the
+        # checkpoint's), policy after policy.
+        for i, engine in enumerate(self.engines):
+            receiver = WeightReceiver(engine, self.source_rank, dtype=self.dtype,
+                                      last_version=self.last_version, group=self.group,
+                                      tag=policy_tag(i))
+            receiver.wait_for(start)
+            self.receivers.append(receiver)
+
+    def _poll_all(self) -> bool:
+        return any([r.poll_all() for r in self.receivers])   # a list: poll every one
 
     def next_batch(self, step: int, metrics: StepMetrics) -> Batch:
         began = time.perf_counter()
-        self.receiver.poll_all()                  # between requests: the newest weights
+        self._poll_all()                          # between requests: the newest weights
         needed = step - 1 - self.max_staleness
         waited = 0.0
-        if self.receiver.version < needed:        # too stale: wait for the trainer
-            self.receiver.wait_for(needed)
+        if self.version < needed:                 # too stale: wait for the trainer
+            for receiver in self.receivers:
+                receiver.wait_for(needed)
             waited = time.perf_counter() - began
         metrics.add_sum("async/rollout_wait_s", waited)
-        metrics.add_mean("async/rollout_version_lag", step - 1 - self.receiver.version, 1.0)
+        metrics.add_mean("async/rollout_version_lag", step - 1 - self.version, 1.0)
         self.loads_mid_request = 0
         return self.more()
 
     def between_chunks(self) -> None:
-        if self.receiver.poll_all():
+        if self._poll_all():
             self.loads_mid_request += 1
 
     def end(self) -> None:
-        while self.receiver.expecting:   # the trainer sends until its last version
-            self.receiver.wait_for(self.receiver.version + 1)
+        for receiver in self.receivers:   # the trainer sends until its last version
+            while receiver.expecting:
+                receiver.wait_for(receiver.version + 1)
 
 
 class GroupSource:

@@ -51,9 +51,10 @@ from dagrl.engines.memory_estimate import (
     other_model_lines,
     other_model_shapes,
 )
+from dagrl.engines.mesh import build_train_mesh
 from dagrl.engines.models import DTYPES, load_tokenizer
 from dagrl.engines.sharding import hsdp_mesh
-from dagrl.engines.weight_channel import WeightSender
+from dagrl.engines.weight_channel import WeightSender, policy_tag
 from dagrl.observe.loggers import GENERATIONS_FILE, RunLogger, append_generations, truncate_jsonl
 from dagrl.observe.memory import GB, host_rss_bytes
 from dagrl.observe.metrics import StepMetrics
@@ -185,33 +186,48 @@ class Worker:
                                       side_ranks=side.ranks if kind != "all" else None,
                                       side=kind if kind != "all" else None,
                                       device_type=self.device.type)
-        hsdp = self._trainer_hsdp_mesh()   # every rank makes it; the trainer ranks shard on it
+        # Every rank makes the trainer side's meshes; the trainer ranks build on them.
+        hsdp, mesh = self._trainer_meshes()
+        trains = kind == "trainer"
         self.engines = build_engines(cfg, needed, self.device, layout=self.layout, log=self.log,
                                      tokenizer=tokenizer,
                                      dp_group=side.group if kind != "all" else None,
-                                     hsdp_mesh=hsdp if kind == "trainer" else None)
-        # The config's extra policies (config/models.py), each with its own engines; their
-        # prompts are made from the main policy's answers (a handoff node).
-        self.model_engines = {
-            name: build_engines(model_config(cfg, name), engines_of(self.plan, name),
-                                self.device, world_size=self.world_size, log=self.log,
-                                handed_prompts=True)
-            for name in cfg.models}
+                                     hsdp_mesh=hsdp if trains else None,
+                                     train_mesh=mesh if trains else None)
+        # The config's extra policies (config/models.py), each with its own engines, placed as
+        # the main policy's (async: this side's, on the same meshes); their prompts are made
+        # from the main policy's answers (a handoff node).
+        self.model_engines = {}
+        for name in cfg.models:
+            own = model_config(cfg, name)
+            layout = EngineLayout.of(own, self.world_size, side_ranks=self.layout.side_ranks,
+                                     side=self.layout.side, device_type=self.device.type
+                                     ) if kind != "all" else None
+            self.model_engines[name] = build_engines(
+                own, self.placement.engines(engines_of(self.plan, name)), self.device,
+                world_size=self.world_size, log=self.log, handed_prompts=True, layout=layout,
+                dp_group=side.group if kind != "all" else None,
+                hsdp_mesh=hsdp if trains else None, train_mesh=mesh if trains else None)
 
-    def _trainer_hsdp_mesh(self):
-        """Async with HSDP: the trainer side's (replicate, shard) mesh, made here by every rank
-        (its process groups are made by all ranks of the run); the rollout ranks hold it
-        unused. None otherwise."""
+    def _trainer_meshes(self) -> tuple:
+        """Async: the trainer side's (replicate, shard) mesh under HSDP, or its training mesh
+        under tensor / sequence parallelism, made here by every rank (their process groups are
+        made by all ranks of the run); the rollout ranks hold them unused. (None, None)
+        otherwise."""
         p = self.placement
         if p.kind == "all":
-            return None
+            return None, None
         trainer = p.side if p.kind == "trainer" else p.peer
         layout = self.layout if p.kind == "trainer" else EngineLayout.of(
             self.cfg, self.world_size, side_ranks=trainer.ranks, side="trainer",
             device_type=self.device.type)
-        if not layout.hsdp:
-            return None
-        return hsdp_mesh(trainer.ranks, layout.fsdp_shard_size, self.device.type)
+        if layout.mesh:
+            return None, build_train_mesh(layout.side_size, layout.tp, layout.sp,
+                                          self.device.type, layout.fsdp_shard_size,
+                                          ranks=trainer.ranks)
+        if layout.hsdp:
+            return hsdp_mesh(trainer.ranks, layout.fsdp_shard_size, self.device.type), None
+        return None, None
 
     def _estimate_memory(self, needed: set[str], runtime_rss: int) -> float:
         """The plan's estimate, for the report beside the measured peak: the largest over the
@@ -242,22 +258,30 @@ class Worker:
             self.source = PromptSource(self.loader, device)
             self.sink = MetricsSink(self.side, self.observer)
         elif p.kind == "rollout":
+            policies = self.policy_engines()
             self.source = FreshWeightsPromptSource(
-                self.loader, device, self.engines.rollout, source_rank=p.peer.lead, dtype=wire,
-                last_version=last, max_staleness=staleness, group=self.dist.cpu_group)
+                self.loader, device, [e.rollout for e in policies], source_rank=p.peer.lead,
+                dtype=wire, last_version=last, max_staleness=staleness,
+                group=self.dist.cpu_group)
             r = cfg.rollout
-            self.engines.rollout = VersionedRollout(
-                self.engines.rollout, chunk_tokens=r.partial_chunk_tokens if r.partial else 0,
-                between_chunks=self.source.between_chunks if r.partial else None)
-            if self.engines.agent is not None:   # episodes' turns go through it too
-                self.engines.agent.engine = self.engines.rollout
+            for engines in policies:   # the receivers above load into the wrapped engines
+                engines.rollout = VersionedRollout(
+                    engines.rollout, chunk_tokens=r.partial_chunk_tokens if r.partial else 0,
+                    between_chunks=self.source.between_chunks if r.partial else None)
+                if engines.agent is not None:   # episodes' turns go through it too
+                    engines.agent.engine = engines.rollout
             self.sink = GroupSink(p.peer.ranks, self.dist.cpu_group, self.source)
         else:
             self.source = GroupSource(p.peer.ranks, self.dist.cpu_group, device, staleness)
             self.sink = MetricsSink(self.side, self.observer)
-            self.engines.weight_sink = WeightSender(p.peer.ranks, is_source=self.is_lead,
-                                                    dtype=wire, last_version=last,
-                                                    group=self.dist.cpu_group)
+            for i, engines in enumerate(self.policy_engines()):   # a channel per policy
+                engines.weight_sink = WeightSender(p.peer.ranks, is_source=self.is_lead,
+                                                   dtype=wire, last_version=last,
+                                                   group=self.dist.cpu_group, tag=policy_tag(i))
+
+    def policy_engines(self) -> list:
+        """Each trained policy's engines: the main one, then each of `models`, in order."""
+        return [self.engines, *self.model_engines.values()]
 
     def log(self, message: str) -> None:
         if self.is_lead:
@@ -297,11 +321,11 @@ class Worker:
                 if task.kind == "reshard":
                     batch = reshard(batch, task.src, task.dst, device=self.device)
                 elif task.kind == "replicate":
-                    batch = self._replicate(batch, task.group)
+                    batch = self._replicate(batch, task)
                 elif task.kind == "unreplicate":
-                    batch = from_replicas(batch, task.group, self.rank % task.group)
+                    batch = from_replicas(batch, task.group, self.dist.rank_in_replica)
                 elif task.kind == "balance" and task.group > 1:
-                    batch = self._rebalance_replicas(batch, task.group)
+                    batch = self._rebalance_replicas(batch, task)
                 elif task.kind == "balance":
                     batch = balance(batch, tuple(range(len(task.dst))),
                                     self.dist.group_for(task.dst), device=self.device)
@@ -325,22 +349,23 @@ class Worker:
         metrics.add_max("batch/max_samples_per_rank", most)
         return batch
 
-    def _replicate(self, batch: Batch, group_size: int) -> Batch:
-        """Into the training layout (data/replicas.py); remembers what each replica got, so a
-        balance before the update can tell whether anything changed since."""
-        batch = to_replicas(batch, group_size, self.dist.replica_group, device=self.device)
+    def _replicate(self, batch: Batch, task: Task) -> Batch:
+        """Into the training layout over task.dst (data/replicas.py); remembers what each
+        replica got, so a balance before the update can tell whether anything changed since."""
+        batch = to_replicas(batch, task.group, self.dist.replica_group,
+                            self.dist.group_for(task.dst), device=self.device)
         self._replicated = _fingerprint(batch)
         return batch
 
-    def _rebalance_replicas(self, batch: Batch, group_size: int) -> Batch:
+    def _rebalance_replicas(self, batch: Batch, task: Task) -> Batch:
         """A balance in the training layout: back to shards and into balanced replicas again,
-        unless no replica's samples changed since they were balanced (one flag all-reduce)."""
+        unless no replica's samples changed since they were balanced (one flag all-reduce over
+        the layout's ranks: the side's)."""
         changed = torch.tensor([float(_fingerprint(batch) != self._replicated)])
-        dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.dist.cpu_group)
+        dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.side.cpu_group)
         if not changed.item():
             return batch
-        return self._replicate(from_replicas(batch, group_size, self.rank % group_size),
-                               group_size)
+        return self._replicate(from_replicas(batch, task.group, self.dist.rank_in_replica), task)
 
     def node_context(self, task: Task, step: int, metrics: StepMetrics,
                      upstream: tuple[Task, ...],
@@ -392,8 +417,9 @@ class Worker:
             history = self._steps(start)
             self.sink.end()
             self.source.end()
-            if self.engines.weight_sink is not None:
-                self.engines.weight_sink.flush()
+            for engines in self.policy_engines():
+                if engines.weight_sink is not None:
+                    engines.weight_sink.flush()
         self.observer.profiler.merge(self.dist.cpu_group, self.dist.distributed)
         if self.placement.kind != "all":   # an async rollout rank returns the trainer's record
             history = self.dist.broadcast_object(history, src=trainer_lead)
@@ -430,14 +456,13 @@ class Worker:
         """The rollout engines start from the actor's weights: an async trainer side sends them
         (with their layout) to the rollout ranks; after a resume, the sync engines take the
         checkpoint's (they were built from the initial weights)."""
-        e = self.engines
-        if isinstance(e.weight_sink, WeightSender):
-            e.weight_sink.send_first(e.actor.full_weights(), start)
-            e.synced_version = e.actor.version
-        elif start > 0 and self.placement.kind == "all":
-            for engines in (e, *self.model_engines.values()):
-                engines.synced_version = -1
-                engines.sync_rollout_weights()
+        for e in self.policy_engines():   # policy after policy, as the rollout ranks receive
+            if isinstance(e.weight_sink, WeightSender):
+                e.weight_sink.send_first(e.actor.full_weights(), start)
+                e.synced_version = e.actor.version
+            elif start > 0 and self.placement.kind == "all":
+                e.synced_version = -1
+                e.sync_rollout_weights()
 
     def _log(self, step: int, metrics: dict[str, float]) -> None:
         if self.logger is not None:
