@@ -84,6 +84,7 @@ class EngineLayout:
         side, ranks = _side(cfg, world_size, side_ranks, side)
         mesh = _mesh(cfg, side, len(ranks))
         fsdp = _fsdp_shard_size(cfg, side, len(ranks), mesh)
+        _check_mesh_copies(side, world_size, len(ranks), mesh, fsdp)
         dp = mesh[0] if mesh else len(ranks)     # data-parallel ranks (replicas under tp/sp)
         return cls(
             device_type=device_type or _device_type(cfg), world_size=world_size, side=side,
@@ -216,6 +217,20 @@ def _fsdp_shard_size(cfg: Config, side: str, ranks: int, mesh) -> int:
            f"trainer.fsdp_shard_size ({k}) must be a multiple of actor.sequence_parallel_size "
            f"({sp}) that divides the {dp * sp} dp x sp ranks")
     return k
+
+
+def _check_mesh_copies(side: str, world: int, ranks: int, mesh, fsdp: int) -> None:
+    """An async trainer side's mesh whose dims must be flattened (dp x sp under tensor
+    parallelism; HSDP's shard dim) is made by every rank as copies of one layout
+    (mesh._device_mesh): PyTorch's DeviceMesh cannot flatten dims on a rank outside the mesh."""
+    if side != "trainer" or mesh is None or world % ranks == 0:
+        return
+    dp, sp, tp = mesh
+    _check(not (sp > 1 and tp > 1) and fsdp >= dp * sp,
+           f"the async trainer side's {ranks} ranks flatten mesh dims (sequence x tensor "
+           f"parallelism, or HSDP under them), which every rank of the run must do on a copy of "
+           f"the mesh: the other {world - ranks} ranks must be a multiple of {ranks} (PyTorch's "
+           "DeviceMesh cannot flatten dims on a rank outside the mesh); place the sides evenly")
 
 
 def _offload(cfg: Config, side: str, ranks: int) -> frozenset[str]:

@@ -101,9 +101,19 @@ def build_train_mesh(world_size: int, tensor_parallel: int, sequence_parallel: i
 
 def _device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...],
                  ranks: tuple[int, ...] | None) -> DeviceMesh:
+    """The mesh over all ranks, or over `ranks` (a subset). A rank outside a mesh can make its
+    process groups but cannot slice it, and flattening dims (FSDP2's dp x sp, HSDP's shard)
+    slices first: so where the other ranks fill whole copies of the layout, every rank gets a
+    copy (a leading "side" dim: `ranks` first, then the rest in order), slices and flattens
+    alike, and only `ranks` use theirs."""
     if ranks is None:
         return init_device_mesh(device_type, shape, mesh_dim_names=names)
-    return DeviceMesh(device_type, torch.tensor(ranks).view(shape), mesh_dim_names=names)
+    world = dist.get_world_size()
+    if world % len(ranks):
+        return DeviceMesh(device_type, torch.tensor(ranks).view(shape), mesh_dim_names=names)
+    order = [*ranks, *(r for r in range(world) if r not in ranks)]
+    return DeviceMesh(device_type, torch.tensor(order).view(world // len(ranks), *shape),
+                      mesh_dim_names=("side", *names))
 
 
 def _hsdp_mesh(dp: int, sp: int, tp: int, device_type: str, shard_size: int,

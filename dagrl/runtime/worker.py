@@ -119,15 +119,11 @@ class Worker:
         # The ranks that train validate (async: the trainer side, with a rollout engine of its
         # own), each its share of the test split.
         validates = (t.val_every > 0 or t.val_before_train) and self.placement.trains
-        needed = self.placement.engines(engines_of(self.plan))
-        joins = rollout_backend(cfg).joins_process_group and self.world_size > 1
+        needed = self.engines_needed(cfg, "")
         if validates:
             needed |= {"rollout", "reward"}
-        if joins and self.placement.kind == "trainer":
-            # Its engine joins the process group when it starts (a collective of every rank):
-            # an async trainer rank builds one too, and validates with it.
-            needed |= {"rollout"}
-        elif joins and self.placement.kind == "all" and not validates:
+        joins = rollout_backend(cfg).joins_process_group and self.world_size > 1
+        if joins and self.placement.kind == "all" and not validates:
             _check_rollout_on_every_rank(plans, cfg.rollout.backend)
         # The data first: a bad file is reported before minutes of model loading.
         tokenizer, self.loader, val_source = self._open_data(validates)
@@ -204,10 +200,21 @@ class Worker:
                                      side=self.layout.side, device_type=self.device.type
                                      ) if kind != "all" else None
             self.model_engines[name] = build_engines(
-                own, self.placement.engines(engines_of(self.plan, name)), self.device,
+                own, self.engines_needed(own, name), self.device,
                 world_size=self.world_size, log=self.log, handed_prompts=True, layout=layout,
                 dp_group=side.group if kind != "all" else None,
                 hsdp_mesh=hsdp if trains else None, train_mesh=mesh if trains else None)
+
+    def engines_needed(self, cfg: Config, model: str) -> set[str]:
+        """The engines this rank builds for policy `model` ('' the main one; `cfg` its
+        config): those its nodes use, on its side; and a rollout engine that joins the process
+        group when it starts (a collective of every rank) on an async trainer rank too (the
+        main policy's validates with it)."""
+        needed = self.placement.engines(engines_of(self.plan, model))
+        joins = rollout_backend(cfg).joins_process_group and self.world_size > 1
+        if joins and self.placement.kind == "trainer":
+            needed |= {"rollout"}
+        return needed
 
     def _trainer_meshes(self) -> tuple:
         """Async: the trainer side's (replicate, shard) mesh under HSDP, or its training mesh
