@@ -55,7 +55,7 @@ from dagrl.engines.mesh import build_train_mesh
 from dagrl.engines.models import DTYPES, load_tokenizer
 from dagrl.engines.sharding import hsdp_mesh
 from dagrl.engines.weight_channel import WeightSender, policy_tag
-from dagrl.observe.loggers import GENERATIONS_FILE, RunLogger, append_generations, truncate_jsonl
+from dagrl.observe.loggers import GENERATIONS_FILE, RunLogger, append_generations
 from dagrl.observe.memory import GB, host_rss_bytes
 from dagrl.observe.metrics import StepMetrics
 from dagrl.observe.observer import StepObserver
@@ -64,7 +64,7 @@ from dagrl.roles.plan import engines_of, plan_with_sides
 from dagrl.roles.registry import ROLES, NodeContext
 from dagrl.rollout import rollout_backend
 from dagrl.rollout.versioned import VersionedRollout
-from dagrl.runtime.checkpoint import Checkpointer, CheckpointError, Stateful, resolve_resume
+from dagrl.runtime.checkpoint import Checkpointer, CheckpointError
 from dagrl.runtime.distributed import DistContext, create_layout_groups
 from dagrl.runtime.failures import append_run_log
 from dagrl.runtime.preflight import check_cpu_threads, check_mixed_precision, check_prompts
@@ -77,6 +77,7 @@ from dagrl.runtime.streams import (
     PromptSource,
 )
 from dagrl.runtime.validation import Validator
+from dagrl.runtime.worker_checkpoint import CheckpointedWorker
 
 
 def _check_rollout_on_every_rank(plans: list[RankPlan], backend: str) -> None:
@@ -94,7 +95,7 @@ def _fingerprint(batch: Batch) -> tuple:
     return (len(batch), tuple(batch["uid"]) if "uid" in batch else ())
 
 
-class Worker:
+class Worker(CheckpointedWorker):
     """One rank's worker, sync or async alike. `cfg` must be resolved (see launch.prepare_run);
     `dist_ctx` says which rank this is (default: a single worker on the host)."""
 
@@ -483,70 +484,3 @@ class Worker:
         if self.validator.samples:      # rank 0, logging.val_generations > 0
             append_generations(self.run_dir / GENERATIONS_FILE, step, self.validator.samples)
         return metrics.reduce(self.side.cpu_group)
-
-    # --- checkpoints (the ranks that train) ----------------------------------------------------
-    def trained_engines(self) -> dict:
-        """The engines a checkpoint holds, by name: actor, critic, and `<model>:actor` /
-        `<model>:critic` of each extra policy."""
-        out = {}
-        bundles = {"": self.engines, **self.model_engines}
-        for model, engines in bundles.items():
-            for name in ("actor", "critic"):
-                engine = getattr(engines, name)
-                if engine is not None:
-                    out[f"{model}:{name}" if model else name] = engine
-        return out
-
-    def stateful_engines(self) -> dict[str, Stateful]:
-        return {name: Stateful(e.model, e.optimizer, e.scheduler)
-                for name, e in self.trained_engines().items()}
-
-    def save_checkpoint(self, step: int) -> Path:
-        e = self.engines
-        state = {"loader": self.source.position(), "world_size": self.world_size,
-                 "versions": {name: engine.version
-                              for name, engine in self.trained_engines().items()},
-                 "kl_controller": e.kl_controller.state_dict() if e.kl_controller else None}
-        if self.placement.kind == "trainer":
-            # What a resume does with the groups generated but not yet trained on.
-            state["async"] = {"trainer_ranks": list(self.side.ranks),
-                              "in_flight_groups": "regenerated"}
-        began = time.perf_counter()
-        path = self.checkpointer.save(step, self.stateful_engines(), state,
-                                      hf_files=self.engines.write_hf_files)
-        self.log(f"checkpoint: step {step} -> {path} ({time.perf_counter() - began:.1f} s)")
-        return path
-
-    def resume(self) -> tuple[int, dict | None]:
-        """Load the checkpoint `trainer.resume` selects into the trained engines; returns its
-        step and data position ((0, None): none)."""
-        self.resumed_from = None
-        resume = self.cfg.trainer.resume
-        if resume == "auto":   # the newest that loads completely, falling back past damage
-            found = self.checkpointer.load_newest(self.stateful_engines(), self.log_event)
-            if found is None:
-                return 0, None
-            path, state = found
-        else:
-            path = resolve_resume(resume, self.checkpoint_root)
-            if path is None:
-                return 0, None
-            state = self.checkpointer.load(path, self.stateful_engines())
-        self.resumed_from = path
-        if not isinstance(state.get("loader"), dict):
-            raise CheckpointError(f"checkpoint {path}: no dataloader position")
-        trained = self.trained_engines()
-        for name, version in state["versions"].items():
-            trained[name].version = version
-        e = self.engines
-        if e.kl_controller is not None and state["kl_controller"] is not None:
-            e.kl_controller.load_state_dict(state["kl_controller"])
-        step = int(state["step"])
-        if self.is_lead:
-            truncate_jsonl(self.run_dir / "metrics.jsonl", step)
-            truncate_jsonl(self.run_dir / GENERATIONS_FILE, step)
-        in_flight = ("; the groups in flight then are generated again"
-                     if self.placement.kind != "all" else "")
-        self.log(f"resumed from {path} (step {step}, saved by {state['world_size']} worker(s), "
-                 f"now {self.world_size}{in_flight})")
-        return step, state["loader"]
