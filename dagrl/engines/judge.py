@@ -25,6 +25,7 @@ import torch
 
 from dagrl.config.model_rewards import JudgeConfig
 from dagrl.data.dataset import encode_prompt
+from dagrl.device import HOST
 from dagrl.rollout.base import RolloutEngine
 from dagrl.rollout.sampling import SamplingParams
 
@@ -51,7 +52,7 @@ class Judge:
     `device`: where the engine takes its inputs (an in-process engine's model's device)."""
 
     def __init__(self, cfg: JudgeConfig, engine: RolloutEngine, tokenizer,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = HOST) -> None:
         self.cfg = cfg
         self.engine = engine
         self.tokenizer = tokenizer
