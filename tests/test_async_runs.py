@@ -228,9 +228,11 @@ def test_ray_async_survives_a_rank_killed_mid_run(tmp_path, dies):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["torchrun", "ray"])
+@pytest.mark.parametrize("launcher", ["torchrun"])
 def test_async_learns_the_default_task_within_the_staleness_bound(tmp_path, launcher):
     # The acceptance command: the default task, 2 workers, max_staleness=1, 60 steps.
+    # Under torchrun only: Ray's async runs are the composition matrix's (parity) and the
+    # kill tests above (staleness 1); the learning is the same code on either launcher.
     run_dir = tmp_path / "run"
     args = ["trainer.mode=async", "rollout.max_staleness=1"]
     if launcher == "torchrun":
