@@ -140,7 +140,7 @@ FACTORS: dict[str, tuple[Level, ...]] = {
                                       "rollout.multi_turn.max_tokens_per_turn=6"),
               evidence=("tools/calls_mean",)),
         # Room for 3 turns (the environment's answers count in the 32 tokens), so episodes
-        # differ in length and reward; prompt + response within test_vllm's server's 64 tokens.
+        # differ in length and reward; prompt + response within test_vllm's server's 128 tokens.
         Level("multi_turn", "env", (*MULTI_TURN_COMMON,
                                     "rollout.multi_turn.environment=guess_number",
                                     "data.train_files=[builtin:guess-number]",

@@ -175,7 +175,9 @@ def vllm_server(model_dir):
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
          "--host", "127.0.0.1", "--port", str(port),
-         "--dtype", "float32", "--max-model-len", "64", "--enforce-eager",
+         # 128: an extra policy's prompt is the main policy's prompt and answer (32 + 32 tokens
+         # in the composition matrix's multi-turn runs) and a template around them
+         "--dtype", "float32", "--max-model-len", "128", "--enforce-eager",
          "--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(2**28),
          "--logprobs-mode", "processed_logprobs", "--served-model-name", "tiny"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
