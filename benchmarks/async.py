@@ -68,6 +68,7 @@ from benchmarks.agentic_service import (
     ToolService,
     summarize_calls,
 )
+from dagrl.config.loader import with_defaults
 
 SIDES = ("sync", "async")
 WORKLOADS = ("arith", "agentic")
@@ -112,7 +113,7 @@ def side_args(side: str, ns: argparse.Namespace, run_dir: Path) -> list[str]:
     common += workload_args(ns)
     if side == "async":
         common += ["trainer.mode=async", f"rollout.max_staleness={ns.staleness}"]
-    return common + list(ns.extra)
+    return with_defaults(common, ns.extra)   # the user's extras replace the workload's
 
 
 def run_side(side: str, ns: argparse.Namespace, run_dir: Path) -> dict:

@@ -16,15 +16,16 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from dagrl.config.loader import with_defaults
 from dagrl.config.presets import PRESETS, load_run_config
 
 
 def run_one(name: str, steps: int, out: Path, extra: Sequence[str]) -> dict:
     from dagrl.runtime.launch import launch
 
-    cfg = load_run_config(None, [f"algorithm.name={name}", f"trainer.total_steps={steps}",
-                                 f"trainer.run_dir={out / name}", "logging.progress_bar=false",
-                                 f"logging.console_every={steps}", *extra])
+    cfg = load_run_config(None, with_defaults(
+        [f"algorithm.name={name}", f"trainer.total_steps={steps}", f"trainer.run_dir={out / name}",
+         "logging.progress_bar=false", f"logging.console_every={steps}"], extra))
     start = time.perf_counter()
     history = launch(cfg)
     rewards = [m["reward/mean"] for m in history]

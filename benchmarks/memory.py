@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks.rollout import SMOL_GGUF, smollm2_dir
+from dagrl.config.loader import with_defaults
 
 # name -> overrides on top of the workload (each a switch of issue 16's memory features)
 _CHUNKED = ["actor.logits_chunk_tokens=256", "ref.logits_chunk_tokens=256"]
@@ -91,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in chosen:
             print(f"running: {name}", flush=True)
-            results[name] = run_setting([*base, *SETTINGS[name]],
+            results[name] = run_setting(with_defaults(base, SETTINGS[name]),
                                         Path(tmp) / name.replace(" ", "_"))
     print(f"\n{ns.model}: {ns.prompts} prompts x {ns.samples} samples x {ns.tokens} tokens, "
           f"{ns.steps} steps, {ns.threads} threads, one process per setting")

@@ -122,10 +122,12 @@ def report_main(argv: Sequence[str]) -> int:
     from dagrl.roles.plan import plan_for
 
     try:
-        path = write_report(ns.run_dir, ns.out, plan_for)
+        path, skipped = write_report(ns.run_dir, ns.out, plan_for)
     except (ReportError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    if skipped:
+        print(f"warning: {skipped}", file=sys.stderr)
     print(path)
     return 0
 

@@ -29,12 +29,12 @@ from dagrl.runtime.checkpoint import (
     LOAD_ERRORS,
     STATE_FILE,
     CheckpointError,
+    checkpoint_problem,
     first_line,
     latest_checkpoint,
     list_checkpoints,
     single_process_quiet,
 )
-from dagrl.runtime.manifest import dcp_problem, manifest_problem
 
 
 def find_checkpoint(path: Path) -> Path:
@@ -52,9 +52,7 @@ def find_checkpoint(path: Path) -> Path:
 def verify_for_export(checkpoint: Path) -> None:
     """The files an export reads (weights, HF config, tokenizer, adapters) match the manifest;
     otherwise a CheckpointError naming the file (and an older checkpoint to try)."""
-    problem = manifest_problem(checkpoint, under=("dcp/", "hf/", f"{ADAPTER_DIR}/"))
-    if problem is None:   # written before manifests: the shards' sizes are still checked
-        problem = dcp_problem(checkpoint / "dcp")
+    problem = checkpoint_problem(checkpoint, under=("dcp/", "hf/", f"{ADAPTER_DIR}/"))
     if not problem:
         return
     older = [p for _, p in list_checkpoints(checkpoint.parent) if p.name < checkpoint.name]

@@ -39,6 +39,15 @@ HARD_WEIGHT = 100
 COMMON = ("logging.progress_bar=false", "logging.console_every=1000", "trainer.torch_threads=1",
           "trainer.total_steps=3", "data.train_batch_size=8", "actor.mini_batch_size=8",
           "rollout.n=4", "rollout.max_new_tokens=6")
+def last_given(overrides: list[str]) -> list[str]:
+    """One override per key, the last given: the levels refine COMMON's defaults (dagrl itself
+    refuses a key given twice)."""
+    by_key: dict[str, str] = {}
+    for item in overrides:
+        by_key[item.partition("=")[0]] = item
+    return list(by_key.values())
+
+
 # The default tiny model's 2 query heads split over tp or sp, not over both (tp x sp = 4 ranks
 # per head group): a run with both trains a 4-head model, and so does its 1-worker reference.
 # Hidden 128 keeps the head size at 32, the smallest vLLM's CPU attention runs.
@@ -221,7 +230,7 @@ class Combination:
                *(o for lv in self.levels for o in lv.overrides), f"trainer.n_workers={world}"]
         for name, value in (resources or {}).items():   # str.replace: the judge's template
             out = [o.replace("{" + name + "}", value) for o in out]   # has {prompt} of its own
-        return out
+        return last_given(out)
 
     def without_layouts(self) -> Combination:
         """The same levels without the layouts and launcher: what 1 worker in this process

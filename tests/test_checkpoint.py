@@ -164,6 +164,9 @@ def test_export_loads_in_transformers_and_generates_like_the_actor(tmp_path):
     hf_config = next((tmp_path / "run").rglob("hf/config.json"))
     hf_config.write_text(json.dumps({**saved, "quantization_config": gguf}))
     (hf_config.parent.parent / "manifest.json").unlink()
+    state_file = hf_config.parent.parent / "trainer_state.json"   # no format field then
+    state_file.write_text(json.dumps({k: v for k, v in json.loads(state_file.read_text()).items()
+                                      if k != "format"}))
     old = export_checkpoint(tmp_path / "run", tmp_path / "hf-old")
     assert "quantization_config" not in json.loads((old / "config.json").read_text())
     model = AutoModelForCausalLM.from_pretrained(out).eval()

@@ -156,7 +156,7 @@ def test_scientific_string_accepted_for_float_only():
 
 def test_parse_overrides():
     out = parse_overrides(
-        ["actor.lr=1e-4", "rollout.n=8", "a.b.c=x", "empty=", "rollout.n=16", "model.path=null"]
+        ["actor.lr=1e-4", "rollout.n=16", "a.b.c=x", "empty=", "model.path=null"]
     )
     assert out == {
         "actor": {"lr": 1e-4},
@@ -166,6 +166,8 @@ def test_parse_overrides():
         "model": {"path": None},
     }
     assert isinstance(out["actor"]["lr"], float)
+    with pytest.raises(ConfigError, match="given twice: rollout.n=8, rollout.n=16"):
+        parse_overrides(["rollout.n=8", "actor.lr=1", "rollout.n=16"])
     assert parse_overrides(["x=[1e-3, 2]", "y=-2.5e+3", "z=1.0e4"]) == {
         "x": [1e-3, 2],
         "y": -2500.0,

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from dagrl.config.loader import ConfigError, load_config
+from dagrl.config.loader import ConfigError, load_config, with_defaults
 from dagrl.config.schema import Config
 from dagrl.engines.layout import EngineLayout
 from tests.dist_helpers import run_distributed
@@ -23,7 +23,8 @@ CRITIC = ("critic weights", "critic gradients", "critic AdamW state")
 
 
 def _cfg(model_dir, *overrides: str) -> Config:
-    return load_config(Config, None, [f"model.path={model_dir}", *SMALL, *overrides])
+    return load_config(Config, None, with_defaults([f"model.path={model_dir}", *SMALL],
+                                                   overrides))
 
 
 def test_decisions_of_a_sync_run():

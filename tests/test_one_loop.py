@@ -84,7 +84,10 @@ def _run(tmp_path, name: str, *overrides: str, processes: bool = False):
     pids: dict[str, set[str]] = {"node": set(), "reward": set()}
     for path in sorted(out.iterdir()):
         kind, pid = path.stem.split("-")
-        stacks[kind].append(json.loads(path.read_text()))
+        stack = json.loads(path.read_text())
+        if "probe_reward" in stack:   # the pre-flight's one call before training: not a step
+            continue
+        stacks[kind].append(stack)
         pids[kind].add(pid)
     return stacks, pids
 

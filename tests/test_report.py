@@ -191,7 +191,7 @@ def test_report_renders_in_headless_chromium(run_dir, tmp_path):
     from dagrl.observe.report import write_report
     from dagrl.roles.plan import plan_for
 
-    html = write_report(run_dir, tmp_path / "report.html", plan_for)
+    html, _ = write_report(run_dir, tmp_path / "report.html", plan_for)
     png = tmp_path / "report.png"
     cmd = ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
            "--no-first-run", "--disable-background-networking", "--disable-component-update",

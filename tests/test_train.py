@@ -104,8 +104,12 @@ def test_generator_follows_the_actor(tmp_path):
 
 def test_raising_reward_names_the_sample(tmp_path):
     bad = tmp_path / "bad_reward.py"
+    # (the pre-flight's probe scores the ground truth itself: a function that fails there is
+    # refused before training, tests/reliability/test_refused_rows.py)
     bad.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                   "    raise ValueError('judge unavailable')\n")
+                   "    if solution_str != ground_truth:\n"
+                   "        raise ValueError('judge unavailable')\n"
+                   "    return 1.0\n")
     with pytest.raises(RewardError) as err:
         run(tmp_path, "trainer.total_steps=1", f"reward.custom_fn={bad}:compute_score")
     assert "sample" in str(err.value) and "judge unavailable" in repr(err.value.__cause__)

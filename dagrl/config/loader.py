@@ -35,6 +35,7 @@ __all__ = [
     "load_config",
     "merge",
     "parse_overrides",
+    "with_defaults",
     "to_dict",
 ]
 
@@ -288,11 +289,13 @@ def parse_overrides(overrides: Sequence[str]) -> dict:
     """Turn ``["actor.lr=1e-4", "model.path=null"]`` into a nested dict.
 
     Values are read as YAML (``1e-4`` is a float, ``[a,b]`` a list, ``null`` None);
-    an empty value is the empty string. A key given twice: the last one wins.
+    an empty value is the empty string. A key given twice, or a key and a key inside it
+    (``model={...}`` and ``model.path=...``), is refused: which one was meant is unknowable.
     """
     if isinstance(overrides, str):
         raise TypeError("parse_overrides expects a sequence of 'key=value' strings, not one str")
     out: dict[str, Any] = {}
+    given: dict[str, str] = {}   # key -> the item that set it
     for item in overrides:
         key, sep, raw = item.partition("=")
         key = key.strip()
@@ -301,6 +304,10 @@ def parse_overrides(overrides: Sequence[str]) -> dict:
         parts = key.split(".")
         if any(not p for p in parts):
             raise ConfigError(f"override {item!r} has an empty part in key '{key}'")
+        for other, earlier in given.items():
+            if other == key or other.startswith(key + ".") or key.startswith(other + "."):
+                raise ConfigError(f"given twice: {earlier}, {item}")
+        given[key] = item
         try:
             value = _yaml_load(raw) if raw.strip() else ""
         except yaml.YAMLError as err:
@@ -309,11 +316,23 @@ def parse_overrides(overrides: Sequence[str]) -> dict:
         for part in parts[:-1]:
             child = node.get(part)
             if not isinstance(child, dict):
-                # A later nested key replaces an earlier scalar: last wins.
                 child = node[part] = {}
             node = child
         node[parts[-1]] = value
     return out
+
+
+def with_defaults(defaults: Sequence[str], overrides: Sequence[str]) -> list[str]:
+    """A program's own `key=value` defaults (a benchmark's workload, say) under the user's
+    overrides: a key the user gives replaces the default's; the user's own list still may not
+    give a key twice (parse_overrides refuses it)."""
+    given = [item.partition("=")[0].strip() for item in overrides]
+
+    def replaced(item: str) -> bool:
+        key = item.partition("=")[0].strip()
+        return any(key == g or key.startswith(g + ".") or g.startswith(key + ".") for g in given)
+
+    return [item for item in defaults if not replaced(item)] + list(overrides)
 
 
 def merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict:

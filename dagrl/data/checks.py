@@ -13,6 +13,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from dagrl.data.errors import DatasetError
 
@@ -116,3 +118,45 @@ def check_rows(rows: Iterable[tuple[int, dict]], prompt_key: str,
                                f"({type(truth).__name__}); the built-in scorers compare text")
         sources.setdefault(row["data_source"], where)
     return sources
+
+
+def _may_hold_nulls(group: pq.RowGroupMetaData, column: str) -> bool:
+    """Whether any leaf of `column` in this row group may hold a null, from the statistics the
+    writer stored (absent statistics: it may). An empty list counts as a null leaf, so a row
+    group of list prompts flagged here is read to tell."""
+    for i in range(group.num_columns):
+        chunk = group.column(i)
+        if chunk.path_in_schema != column and not chunk.path_in_schema.startswith(column + "."):
+            continue
+        stats = chunk.statistics
+        if stats is None or not stats.has_null_count or stats.null_count > 0:
+            return True
+    return False
+
+
+def check_nulls(path: str, pf: pq.ParquetFile, first_row: int, prompt_key: str,
+                text_ground_truth: bool) -> None:
+    """Every row of a file, cheaply: the columns a step reads without a fallback (the prompt,
+    data_source and, for the built-in scorers, reward_model.ground_truth) hold no null. Row
+    groups whose statistics say "no nulls" are not read; the first null found is named by
+    file, row and column. `first_row`: the global index of the file's first row."""
+    columns = [(prompt_key, None), ("data_source", None)]
+    if text_ground_truth:
+        columns.append(("reward_model", "ground_truth"))
+    start = first_row
+    for gi in range(pf.metadata.num_row_groups):
+        meta = pf.metadata.row_group(gi)
+        for column, field in columns:
+            if not _may_hold_nulls(meta, f"{column}.{field}" if field else column):
+                continue
+            values = pf.read_row_group(gi, columns=[column]).column(column)
+            if field:
+                values = pc.struct_field(values, field)
+            nulls = pc.is_null(values)
+            if pc.any(nulls).as_py():
+                row = start + pc.index(nulls, True).as_py()
+                name = f"{column}.{field}" if field else column
+                hint = ("; the built-in scorers compare text" if field else
+                        "; every row needs one")
+                raise DatasetError(f"{path}: row {row} has {name} null{hint}")
+        start += meta.num_rows

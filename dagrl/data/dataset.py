@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import torch
 
 from dagrl.data.batch import Batch
-from dagrl.data.checks import check_rows, check_schema_types, prompt_problem
+from dagrl.data.checks import check_nulls, check_rows, check_schema_types, prompt_problem
 from dagrl.data.errors import DatasetError
 
 REQUIRED_COLUMNS = ("data_source", "reward_model")
@@ -139,6 +139,15 @@ class ParquetPrompts:
         return check_rows(zip(indices, self.read(indices), strict=True), self.prompt_key,
                    self.text_ground_truth)
 
+    def check_nulls(self) -> None:
+        """No null prompt, data_source or (built-in scorers) ground truth in any row of any
+        file (data/checks.py: from the parquet statistics, reading only flagged row groups)."""
+        first = 0
+        for fi, path in enumerate(self.files):
+            pf = self._open(fi)
+            check_nulls(path, pf, first, self.prompt_key, self.text_ground_truth)
+            first += pf.metadata.num_rows
+
     def read(self, indices: Sequence[int]) -> list[dict]:
         """Rows at the given global indices, in that order; reads only their row groups."""
         bad = [int(i) for i in indices if not 0 <= int(i) < len(self)]
@@ -165,6 +174,11 @@ def _undecodable(table: pa.Table, first_row: int) -> str:
             except UnicodeDecodeError:
                 return f"column {name}, row {first_row + i},"
     return f"row group starting at row {first_row}"
+
+
+# The roles of the chat-template convention (transformers, verl, OpenAI); a template may name
+# others (e.g. "ipython", "developer"), which it then knows how to render.
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def encode_prompt(tokenizer, messages: Any, tools: Sequence[dict] | None = None) -> list[int]:
@@ -297,8 +311,8 @@ class PromptLoader:
             if problem:
                 raise DatasetError(f"{row['_file']}: row {int(row_ids[i])} (uid {uids[i]}) "
                                    f"{problem}")
-            tokens = self._truncate(encode_prompt(self.tokenizer, prompt), row,
-                                    int(row_ids[i]), uids[i])
+            where = f"{row['_file']}: row {int(row_ids[i])} (uid {uids[i]})"
+            tokens = self._truncate(self._encode(prompt, where), row, int(row_ids[i]), uids[i])
             if tokens:   # left padding: the last prompt token sits in the last column
                 ids[i, width - len(tokens):] = torch.tensor(tokens)
                 mask[i, width - len(tokens):] = 1
@@ -316,6 +330,28 @@ class PromptLoader:
                 "prompt": [r[self.source.prompt_key] for r in rows],
             },
             batch_size=len(rows))
+
+    def _encode(self, prompt: Any, where: str) -> list[int]:
+        """The prompt's tokens; a role the chat template does not know, or a template that
+        refuses the messages, is a data error naming the row (`where`)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        if template and not isinstance(prompt, str):
+            key = self.source.prompt_key
+            for i, message in enumerate(prompt):
+                role = message.get("role")
+                # A template that renders any role would train on "<|im_start|>human" silently.
+                if role not in CHAT_ROLES and f"'{role}'" not in template \
+                        and f'"{role}"' not in template:
+                    raise DatasetError(
+                        f"{where} has {key}[{i}].role {role!r}: not one of the chat roles "
+                        f"({', '.join(CHAT_ROLES)}) and the model's chat template does not name "
+                        "it")
+        try:
+            return encode_prompt(self.tokenizer, prompt)
+        except Exception as err:   # jinja2's TemplateError, or what the template's code raises
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            raise DatasetError(f"{where}: the model's chat template refused this prompt "
+                               f"({type(err).__name__}: {reason[:200]})") from err
 
     def _truncate(self, tokens: list[int], row: dict, row_id: int, uid: str) -> list[int]:
         limit = self.max_prompt_length

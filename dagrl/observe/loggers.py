@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
@@ -49,19 +48,6 @@ def append_generations(path: Path, step: int, samples: list[dict]) -> None:
     with path.open("a", encoding="utf-8") as f:
         for sample in samples:
             f.write(json.dumps({"step": step, **sample}, ensure_ascii=False) + "\n")
-
-
-def truncate_jsonl(path: Path, last_step: int) -> None:
-    """Drop the records after `last_step` from a metrics.jsonl (steps re-run after a resume
-    would otherwise be logged twice), replacing the file atomically."""
-    if not path.is_file():
-        return
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
-    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= last_step]
-    if len(kept) != len(lines):
-        tmp = path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(kept), encoding="utf-8")
-        os.replace(tmp, path)
 
 
 class ConsoleLogger:

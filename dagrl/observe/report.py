@@ -26,6 +26,7 @@ from dagrl.dag.planner import RankPlan
 from dagrl.dag.spec import GraphSpec
 from dagrl.observe.observer import task_name
 from dagrl.observe.profiler import MERGED_TRACE, PROFILE_DIR, top_spans
+from dagrl.observe.run_files import JsonlContents, read_jsonl
 
 # config, world size -> (graph, node order, one plan per rank): dagrl.roles.plan.plan_for.
 PlanFor = Callable[[Config, int], tuple[GraphSpec, list[str], list[RankPlan]]]
@@ -41,14 +42,17 @@ class ReportError(Exception):
     """The run directory lacks what the report needs."""
 
 
-def load_metrics(run_dir: Path) -> list[dict]:
+def load_metrics(run_dir: Path) -> JsonlContents:
+    """The readable records of RUN_DIR/metrics.jsonl and the damaged lines skipped (a crash
+    can cut the last line or leave NUL bytes: observe/run_files.py)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
         raise ReportError(f"{run_dir}: no metrics.jsonl (is this a dagrl run directory?)")
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if not rows:
-        raise ReportError(f"{path} is empty: the run logged no step")
-    return rows
+    contents = read_jsonl(path)
+    if not contents.records:
+        raise ReportError(f"{path} holds no readable step"
+                          + (f" ({contents.skipped_line(path)})" if contents.skipped else ""))
+    return contents
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -238,7 +242,10 @@ def _trace_tables(run_dir: Path) -> str:
     if not path.exists():
         return ("<p>No profiler trace in this run (run with <code>profiler.enable=true</code>)."
                 "</p>")
-    trace = json.loads(path.read_text())
+    try:
+        trace = json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as err:   # a run killed while writing it
+        return f"<p class='warning'>{escape(MERGED_TRACE)} is damaged ({escape(str(err))})</p>"
     tasks: dict[str, list[float]] = {}
     ranks = set()
     for e in trace["traceEvents"]:
@@ -281,7 +288,7 @@ h1{margin-bottom:4px} .meta{color:#666} section{margin:18px 0}
 .plot img{width:100%} table{border-collapse:collapse;font-size:13px}
 td,th{border:1px solid #ccc;padding:3px 8px;text-align:left} pre{background:#f6f6f6;padding:8px;
 overflow:auto;font-size:12px} .summary li{display:inline-block;margin-right:18px}
-.dag{overflow:auto;border:1px solid #ddd;border-radius:6px}"""
+.dag{overflow:auto;border:1px solid #ddd;border-radius:6px} .warning{color:#a40}"""
 
 
 def shown_path(path: Path) -> str:
@@ -298,7 +305,9 @@ def render_report(run_dir: str | Path, plan_for: PlanFor | None = None) -> str:
     """The report's HTML. `plan_for(config, world_size) -> (graph, order, plans)` (the one in
     `dagrl.roles.plan`) draws the run's DAG and per-rank plan."""
     run_dir = Path(run_dir)
-    rows = load_metrics(run_dir)
+    metrics = load_metrics(run_dir)
+    rows = metrics.records
+    skipped = metrics.skipped_line(Path("metrics.jsonl"))   # no path of the writer's machine
     dag_svg, task_names = _plan(run_dir, plan_for)
     plots = []
     for pid, title, caption, draw in PLOTS:
@@ -310,12 +319,15 @@ def render_report(run_dir: str | Path, plan_for: PlanFor | None = None) -> str:
         plots.append(f"<div class='plot' id='plot-{pid}'><h3>{escape(title)}</h3>"
                      f"<p>{escape(caption)}</p>{body}</div>")
     config = run_dir / "config.resolved.yaml"
-    config_text = config.read_text() if config.exists() else "(no config.resolved.yaml)"
+    config_text = (config.read_text(errors="replace") if config.exists()
+                   else "(no config.resolved.yaml)")
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>dagrl report: "
             f"{escape(run_dir.name)}</title><style>{CSS}</style></head><body>"
             f"<h1>dagrl run {escape(run_dir.name)}</h1>"
             f"<p class='meta'>{escape(shown_path(run_dir))} — report written "
-            f"{datetime.now():%Y-%m-%d %H:%M}</p>{_summary(rows)}"
+            f"{datetime.now():%Y-%m-%d %H:%M}</p>"
+            + (f"<p class='warning'>{escape(skipped)}</p>" if skipped else "")
+            + f"{_summary(rows)}"
             f"<section id='plots'><h2>Metrics</h2><div class='plots'>{''.join(plots)}</div>"
             f"</section><section id='dag'><h2>DAG and per-rank plan</h2><div class='dag'>"
             f"{dag_svg}</div></section>"
@@ -325,11 +337,12 @@ def render_report(run_dir: str | Path, plan_for: PlanFor | None = None) -> str:
 
 
 def write_report(run_dir: str | Path, out: str | Path | None = None,
-                 plan_for: PlanFor | None = None) -> Path:
-    """Write the report (default RUN_DIR/report.html) and return its path."""
+                 plan_for: PlanFor | None = None) -> tuple[Path, str]:
+    """Write the report (default RUN_DIR/report.html); returns its path and the line naming
+    the damaged metrics lines it skipped ("" when none)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise ReportError(f"no such run directory: {run_dir}")
     path = Path(out) if out else run_dir / "report.html"
     path.write_text(render_report(run_dir, plan_for), encoding="utf-8")
-    return path
+    return path, load_metrics(run_dir).skipped_line(run_dir / "metrics.jsonl")

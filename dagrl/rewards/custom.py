@@ -23,14 +23,14 @@ def _is_file_spec(target: str) -> bool:
     return target.endswith(".py") or "/" in target or "\\" in target
 
 
-def _load_file(spec: str, target: str, what: str) -> ModuleType:
+def _load_file(spec: str, target: str, what: str, isolated: bool = False) -> ModuleType:
     path = Path(target).expanduser().resolve()
     if not path.is_file():
         raise FileNotFoundError(f"{what} {spec!r}: file {str(path)!r} does not exist")
     # A name unique per absolute path: two different reward.py files must not share a module.
     digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
-    module_name = f"dagrl_user_reward_{path.stem}_{digest}"
-    if module_name in sys.modules:
+    module_name = f"dagrl_user_reward_{path.stem}_{digest}" + ("_isolated" if isolated else "")
+    if module_name in sys.modules and not isolated:
         return sys.modules[module_name]
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     if module_spec is None or module_spec.loader is None:
@@ -43,14 +43,18 @@ def _load_file(spec: str, target: str, what: str) -> ModuleType:
     except BaseException:
         del sys.modules[module_name]
         raise
+    if isolated:   # a copy of its own: what it is called with leaves the shared one untouched
+        del sys.modules[module_name]
     return module
 
 
-def load_function(spec: str, what: str = "reward function") -> Callable:
+def load_function(spec: str, what: str = "reward function", isolated: bool = False) -> Callable:
     """Import and return the callable named by ``spec``.
 
     ``spec`` is ``"file.py:function"`` (path absolute or relative to the current directory)
     or ``"package.module:function"``; ``what`` names it in the errors ("tool", ...).
+    ``isolated``: a file is imported afresh into a module of its own, so calls to the function
+    returned (the pre-flight's probe) leave the state of the one training calls untouched.
     """
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
@@ -59,7 +63,7 @@ def load_function(spec: str, what: str = "reward function") -> Callable:
             "or 'package.module:function_name'"
         )
     if _is_file_spec(target):
-        module = _load_file(spec, target, what)
+        module = _load_file(spec, target, what, isolated)
     else:
         try:
             module = importlib.import_module(target)

@@ -49,7 +49,7 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
-def _unpack(result: Any) -> tuple[float, dict[str, float]]:
+def unpack_score(result: Any) -> tuple[float, dict[str, float]]:
     """Split a scorer's return value into (score, extra metrics); raise on anything malformed."""
     extra: dict[str, float] = {}
     if isinstance(result, dict):
@@ -183,7 +183,7 @@ class RewardManager:
             try:
                 if isinstance(raw[i], Exception):
                     raise raw[i]
-                score, extra = _unpack(raw[i])
+                score, extra = unpack_score(raw[i])
             except Exception as exc:
                 sample = f"sample {i}"
                 if sample_ids is not None:

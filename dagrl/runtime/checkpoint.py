@@ -8,7 +8,8 @@ A checkpoint is a directory `<checkpoint_dir>/step_<step:08d>/`:
     rng/rank<r>.pt       each rank's torch / numpy / python RNG states
     hf/                  the model config and tokenizer, so `dagrl export` needs nothing else
 
-    manifest.json        size and SHA-256 of every file above (runtime/manifest.py)
+    manifest.json        size and SHA-256 of every file above (runtime/manifest.py), the
+                         model's identity (runtime/model_identity.py) and the training layout
 
 It is written under `.tmp-step_<step>` and renamed into place by rank 0 after every rank has
 finished: a directory named `step_*` is always complete, and a crash or a full disk mid-write
@@ -45,10 +46,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from dagrl.device import rng_state, set_rng_state
-from dagrl.runtime.manifest import dcp_problem, manifest_problem, write_manifest
+from dagrl.runtime.manifest import MANIFEST, dcp_problem, manifest_problem, write_manifest
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.json"
+# 2: written with a manifest (runtime/manifest.py) that records the model's identity; a
+# checkpoint of this format without one has lost it.
+FORMAT = 2
 
 
 class CheckpointError(RuntimeError):
@@ -60,12 +64,56 @@ class CheckpointError(RuntimeError):
 LOAD_ERRORS = (Exception, CheckpointException)
 
 
+def os_cause(err: BaseException) -> OSError | None:
+    """The OS error under `err`, if any: through `raise ... from`, implicit chaining and DCP's
+    per-rank failures (CheckpointException.failures: rank -> (exception, traceback))."""
+    queue, seen = [err], set()
+    while queue:
+        e = queue.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError):
+            return e
+        if isinstance(e, CheckpointException):
+            queue += [failure[0] for failure in e.failures.values()]
+        queue += [e.__cause__, e.__context__]
+    return None
+
+
+def describe_os_error(err: OSError, writing: Path) -> str:
+    """`No space left on device: '/ckpt/.tmp-step_3/dcp'`: the cause and the path, the error's
+    own or (a failed write() names no file) the one being written."""
+    paths = [p for p in (err.filename, err.filename2) if p is not None] or [writing]
+    return (err.strerror or str(err)) + "".join(f": {str(p)!r}" for p in paths)
+
+
 def first_line(err: BaseException) -> str:
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     # CheckpointException's first lines list ranks and "Traceback ..."; its last is the cause.
     text = lines[-1] if isinstance(err, CheckpointException) and lines else \
         (lines[0] if lines else "")
     return f"{type(err).__name__}: {text[:300]}"
+
+
+def checkpoint_problem(path: Path, under: tuple[str, ...] = ()) -> str:
+    """What the manifest says is damaged (among the files under the `under` prefixes, when
+    given); for a checkpoint written before manifests, what DCP's metadata says; "" if none."""
+    problem = manifest_problem(path, under)
+    if problem is not None:
+        return problem
+    if _format(path) >= FORMAT:   # written with a manifest: it was deleted
+        return (f"its {MANIFEST} is missing (the checkpoint was written with one), so its "
+                "files cannot be verified")
+    return dcp_problem(path / "dcp")
+
+
+def _format(path: Path) -> int:
+    """The checkpoint format its trainer state records (1: before the field existed)."""
+    try:
+        return int(json.loads((path / STATE_FILE).read_text()).get("format", 1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 1
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -134,11 +182,14 @@ class Checkpointer:
 
     # --- save ------------------------------------------------------------------------------
     def save(self, step: int, engines: dict[str, Stateful], trainer_state: dict,
-             hf_files: Callable[[Path], None] | None = None) -> Path:
-        """Write the checkpoint of `step` and commit it. `trainer_state` (JSON) and `hf_files`
-        (writes the model config and tokenizer into a directory) are used on rank 0 only."""
+             hf_files: Callable[[Path], None] | None = None,
+             manifest: dict | None = None) -> Path:
+        """Write the checkpoint of `step` and commit it. `trainer_state` (JSON), `hf_files`
+        (writes the model config and tokenizer into a directory) and `manifest` (entries for
+        the manifest beside its file list) are used on rank 0 only."""
         final, tmp = step_dir(self.root, step), self.root / f".tmp-step_{step:08d}"
         error: BaseException | None = None
+        writing = tmp   # what is being written: named in the error (write() names no file)
         try:
             if self.rank == 0:
                 self.root.mkdir(parents=True, exist_ok=True)
@@ -147,17 +198,21 @@ class Checkpointer:
                 tmp.mkdir()
             self.barrier()
             state = {name: _engine_state(e) for name, e in engines.items()}
+            writing = tmp / "dcp"
             with single_process_quiet():
-                dcp.save(state, checkpoint_id=str(tmp / "dcp"), no_dist=not dist.is_initialized(),
+                dcp.save(state, checkpoint_id=str(writing), no_dist=not dist.is_initialized(),
                          process_group=self.process_group)
             (tmp / "rng").mkdir(exist_ok=True)
-            torch.save(rng_state(), tmp / "rng" / f"rank{self.rank}.pt")
+            writing = tmp / "rng" / f"rank{self.rank}.pt"
+            torch.save(rng_state(), writing)
             if self.rank == 0:
-                full = {**trainer_state, "step": step, "schedulers": {
+                full = {**trainer_state, "step": step, "format": FORMAT, "schedulers": {
                     name: e.scheduler.state_dict() for name, e in engines.items()}}
-                _write_json(tmp / STATE_FILE, full)
+                writing = tmp / STATE_FILE
+                _write_json(writing, full)
                 if hf_files is not None:
-                    hf_files(tmp / "hf")
+                    writing = tmp / "hf"
+                    hf_files(writing)
         except BaseException as err:   # noqa: BLE001 — re-raised below with the directory named
             error = err
         self.barrier()
@@ -165,12 +220,13 @@ class Checkpointer:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             previous = latest_checkpoint(self.root)
+            cause = os_cause(error)
+            why = describe_os_error(cause, writing) if cause is not None else first_line(error)
             raise CheckpointError(
-                f"writing checkpoint {final} failed ({type(error).__name__}: {error}); "
-                f"nothing was committed, the previous checkpoint "
-                f"({previous or 'none'}) is untouched") from error
+                f"writing checkpoint {final} failed ({why}); nothing was committed, the "
+                f"previous checkpoint ({previous or 'none'}) is untouched") from error
         if self.rank == 0:
-            write_manifest(tmp)
+            write_manifest(tmp, manifest)
             _commit(tmp, final)
             self._prune()
         self.barrier()
@@ -203,9 +259,7 @@ class Checkpointer:
 
     @staticmethod
     def _problem(path: Path) -> str:
-        """What the manifest (or, for older checkpoints, DCP's metadata) says is damaged."""
-        problem = manifest_problem(path)
-        return dcp_problem(path / "dcp") if problem is None else problem
+        return checkpoint_problem(path)
 
     def _load(self, path: Path, engines: dict[str, Stateful]) -> dict:
         try:

@@ -13,6 +13,7 @@ runtime/failures.py and names the file, column, row, key or node.
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from dagrl.config.loader import ConfigError
@@ -21,10 +22,12 @@ from dagrl.dag.spec import GraphError
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
 from dagrl.data.errors import DatasetError
 from dagrl.data.makers import MAKERS
+from dagrl.engines.memory_estimate import model_config
 from dagrl.engines.models import (
     BUILTIN_PREFIX,
     PACKAGE_PREFIX,
     TINY_FAMILIES,
+    build_char_tokenizer,
     check_model_dir,
     load_tokenizer,
     package_dir,
@@ -32,9 +35,13 @@ from dagrl.engines.models import (
 from dagrl.engines.tiny_reward_model import NAME as TINY_RM
 from dagrl.registry import UnknownNameError
 from dagrl.rewards.custom import load_function
+from dagrl.rewards.manager import unpack_score
+from dagrl.rewards.pool import call_scorer
 from dagrl.rewards.scorers import SCORERS
 from dagrl.roles.plan import plan_for
-from dagrl.runtime.checkpoint import resolve_resume
+from dagrl.runtime.checkpoint import CheckpointError, resolve_resume
+from dagrl.runtime.manifest import read_manifest
+from dagrl.runtime.model_identity import identity_mismatch, model_identity
 from dagrl.runtime.preflight import PREFLIGHT_ROWS, check_model_parallel
 from dagrl.runtime.run_dir import RunDirError
 
@@ -52,20 +59,49 @@ def check_inputs(cfg: Config) -> None:
                            builtins=(TINY_RM,))
     if cfg.reward.source == "judge":
         check_model_source(cfg.judge.path, cfg.judge.gguf_file, section="judge")
-    check_reward(cfg)
+    reward_fn = check_reward(cfg)
     t = cfg.trainer
     data_keys = ["train_files"]
     if t.val_every > 0 or t.val_before_train:
         data_keys.append("val_files")
     for key in data_keys:
         check_datasets(cfg, key)
+    r = cfg.reward
+    # With reward.timeout_s the scorer may hang by design: only its pool can stop it.
+    if reward_fn is not None and r.source == "rule" and r.on_error == "raise" and not r.timeout_s:
+        probe_reward(cfg, load_function(r.custom_fn, isolated=True))
     check_prompt_lengths(cfg, data_keys)
     run_dir = Path(t.run_dir or "runs")
     check_dir_usable(run_dir, "trainer.run_dir")
     check_dir_usable(Path(t.checkpoint_dir) if t.checkpoint_dir else run_dir / "checkpoints",
                      "trainer.checkpoint_dir")
-    if t.resume not in ("auto", "never"):
-        resolve_resume(t.resume, run_dir / "checkpoints")   # an explicit path must be one
+    checkpoint_root = Path(t.checkpoint_dir) if t.checkpoint_dir else run_dir / "checkpoints"
+    check_resume_model(cfg, resolve_resume(t.resume, checkpoint_root))
+
+
+def check_resume_model(cfg: Config, checkpoint: Path | None) -> None:
+    """The checkpoint a resume would start from was written for the configured model (its
+    identity in the manifest, or, for a checkpoint older than that, its hf/ files); compared
+    from configs and vocabularies only, before anything is built."""
+    if checkpoint is None:
+        return
+    saved = (read_manifest(checkpoint) or {}).get("model")
+    if saved is None and (checkpoint / "hf" / "config.json").is_file():
+        from transformers import AutoConfig
+
+        hf = checkpoint / "hf"
+        saved = model_identity(AutoConfig.from_pretrained(hf, local_files_only=True),
+                               load_tokenizer(str(hf)), str(hf))
+    if saved is None:
+        return
+    m = cfg.model
+    tokenizer = (build_char_tokenizer() if m.path.startswith(BUILTIN_PREFIX) else
+                 load_tokenizer(str(package_dir(m.path)) if m.path.startswith(PACKAGE_PREFIX)
+                                else m.path, m.gguf_file))
+    problem = identity_mismatch(checkpoint, saved, model_identity(model_config(cfg), tokenizer,
+                                                                  m.path))
+    if problem:
+        raise CheckpointError(problem)
 
 
 def check_graph(cfg: Config) -> None:
@@ -94,16 +130,40 @@ def check_model_source(path: str, gguf_file: str, *, section: str = "model",
                     section)
 
 
-def check_reward(cfg: Config) -> None:
-    """reward.custom_fn imports and is callable (the workers import it again)."""
+def check_reward(cfg: Config):
+    """reward.custom_fn imports and is callable (the workers import it again); returns it
+    (None: no custom function)."""
     spec = cfg.reward.custom_fn
     if not spec:
-        return
+        return None
     try:
-        load_function(spec)
+        fn = load_function(spec)
     except Exception as err:   # anything the user's file raises while it is imported
         message = str(err) if spec in str(err) else f"{type(err).__name__}: {err}"
         raise ConfigError(f"reward.custom_fn={spec!r}: cannot be imported: {message}") from err
+    return fn
+
+
+def probe_reward(cfg: Config, fn) -> None:
+    """Call the user's reward function once, on the first training row with its ground truth
+    as the response, as a step would: a function that raises or returns a string fails now,
+    not after the first rollout. `fn` is a copy of its own (a file is imported afresh), so a
+    function that keeps state starts training as if never called. (Built-in datasets are made
+    in a temporary directory.)"""
+    spec = cfg.reward.custom_fn
+    with tempfile.TemporaryDirectory() as tmp:
+        first = cfg.data.train_files[0]
+        if first.startswith(BUILTIN_PREFIX):
+            first = str(MAKERS[first[len(BUILTIN_PREFIX):]](Path(tmp), seed=0)["train"])
+        row = ParquetPrompts([first], cfg.data.prompt_key).read([0])[0]
+    truth = (row.get("reward_model") or {}).get("ground_truth")
+    where = f"{first}: row 0 (data_source {row['data_source']!r})"
+    try:
+        unpack_score(call_scorer(fn, row["data_source"], str(truth), truth,
+                                 row.get("extra_info")))
+    except Exception as err:   # what the user's function raises, or a malformed score
+        raise ConfigError(f"reward.custom_fn={spec!r} on {where}, its ground truth as the "
+                          f"response: {type(err).__name__}: {err}") from err
 
 
 def check_datasets(cfg: Config, key: str) -> None:
@@ -125,6 +185,7 @@ def check_datasets(cfg: Config, key: str) -> None:
     source = ParquetPrompts(files, cfg.data.prompt_key, config_key=f"data.{key}",
                             text_ground_truth=rule_scored and not r.custom_fn)
     seen = source.check_sample(PREFLIGHT_ROWS)
+    source.check_nulls()   # every row: a null past the sample would fail only at its step
     if rule_scored and not r.custom_fn and not r.scorer:
         for data_source, where in seen.items():
             if data_source not in SCORERS:
@@ -136,15 +197,19 @@ def check_datasets(cfg: Config, key: str) -> None:
 def check_prompt_lengths(cfg: Config, keys: list[str]) -> None:
     """The first rows of the user's parquet files rendered with the model's tokenizer and chat
     template, so an overlong or empty prompt is refused before the run directory exists. Only
-    a tokenizer is loaded (no weights). A built-in model's tokenizer and the built-in datasets
-    are written by prepare_run: the worker's pre-flight checks those (runtime/preflight.py)."""
+    a tokenizer is loaded (no weights); a built-in model's is built in memory. The built-in
+    datasets are written by prepare_run: the worker's pre-flight checks those
+    (runtime/preflight.py)."""
     m, d = cfg.model, cfg.data
     files = {key: [f for f in getattr(d, key) if not f.startswith(BUILTIN_PREFIX)]
              for key in keys}
-    if m.path.startswith(BUILTIN_PREFIX) or not any(files.values()):
+    if not any(files.values()):
         return
-    path = str(package_dir(m.path)) if m.path.startswith(PACKAGE_PREFIX) else m.path
-    tokenizer = load_tokenizer(path, m.gguf_file)
+    if m.path.startswith(BUILTIN_PREFIX):   # what prepare_run writes beside the tiny model
+        tokenizer = build_char_tokenizer()
+    else:
+        path = str(package_dir(m.path)) if m.path.startswith(PACKAGE_PREFIX) else m.path
+        tokenizer = load_tokenizer(path, m.gguf_file)
     for key, paths in files.items():
         if paths:
             source = ParquetPrompts(paths, d.prompt_key, config_key=f"data.{key}")

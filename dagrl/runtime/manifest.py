@@ -31,15 +31,16 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def write_manifest(checkpoint: Path) -> None:
-    """List every file under `checkpoint` (relative path -> size, sha256) in its manifest."""
+def write_manifest(checkpoint: Path, extra: dict | None = None) -> None:
+    """List every file under `checkpoint` (relative path -> size, sha256) in its manifest,
+    with `extra` (the model's identity and the training layout: runtime/model_identity.py)."""
     files = {}
     for path in sorted(checkpoint.rglob("*")):
         if path.is_file() and path.name != MANIFEST:
             files[path.relative_to(checkpoint).as_posix()] = {
                 "size": path.stat().st_size, "sha256": file_sha256(path)}
     with open(checkpoint / MANIFEST, "w", encoding="utf-8") as f:
-        json.dump({"version": 1, "files": files}, f, indent=1)
+        json.dump({"version": 1, **(extra or {}), "files": files}, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
 
@@ -92,3 +93,12 @@ def dcp_problem(dcp_dir: Path) -> str:
         if size < end:
             return f"file dcp/{rel} has {size} bytes, its data runs to byte {end} (truncated?)"
     return ""
+
+
+def read_manifest(checkpoint: Path) -> dict | None:
+    """The manifest's contents; None when there is none or it is unreadable (the load then
+    names the problem)."""
+    try:
+        return json.loads((checkpoint / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None

@@ -9,8 +9,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from dagrl.observe.loggers import GENERATIONS_FILE, truncate_jsonl
+from dagrl.engines.models import plain_config
+from dagrl.observe.loggers import GENERATIONS_FILE
+from dagrl.observe.run_files import cut_jsonl
 from dagrl.runtime.checkpoint import CheckpointError, Stateful, resolve_resume
+from dagrl.runtime.model_identity import model_identity
 
 
 class CheckpointedWorker:
@@ -44,13 +47,44 @@ class CheckpointedWorker:
                               "in_flight_groups": "regenerated"}
         began = time.perf_counter()
         path = self.checkpointer.save(step, self.stateful_engines(), state,
-                                      hf_files=self.engines.write_hf_files)
+                                      hf_files=self.engines.write_hf_files,
+                                      manifest=self.manifest_entries())
         self.log(f"checkpoint: step {step} -> {path} ({time.perf_counter() - began:.1f} s)")
         return path
 
+    def manifest_entries(self) -> dict:
+        """What the manifest records beside its files: the actor's model (compared before a
+        resume builds anything: runtime/input_checks.py) and the layout that wrote it."""
+        e, a = self.engines, self.cfg.actor
+        return {"model": model_identity(plain_config(e.actor.model.config), e.tokenizer,
+                                        self.cfg.model.path),
+                "layout": {"workers": self.world_size, "mode": self.cfg.trainer.mode,
+                           "trainer_ranks": list(self.side.ranks),
+                           "tensor_parallel_size": a.tensor_parallel_size,
+                           "sequence_parallel_size": a.sequence_parallel_size}}
+
     def resume(self) -> tuple[int, dict | None]:
         """Load the checkpoint `trainer.resume` selects into the trained engines; returns its
-        step and data position ((0, None): none)."""
+        step and data position ((0, None): none). The run's logs are cut back to that step."""
+        step, position = self._load_checkpoint()
+        if self.is_lead:
+            self._cut_logs(step if self.resumed_from is not None else -1)
+        return step, position
+
+    def _cut_logs(self, last_step: int) -> None:
+        """The checkpoint is the run's truth: records past its step (the steps about to be run
+        again, or an earlier attempt's when there is no checkpoint) go, damaged lines are
+        skipped with one warning line each file."""
+        for name in ("metrics.jsonl", GENERATIONS_FILE):
+            path = self.run_dir / name
+            dropped, contents = cut_jsonl(path, last_step)
+            if contents.skipped:
+                self.log_event("warning: " + contents.skipped_line(path))
+            if dropped and last_step < 0:
+                self.log(f"{path}: {dropped} record(s) of an earlier attempt dropped (it left "
+                         "no checkpoint: this run starts over)")
+
+    def _load_checkpoint(self) -> tuple[int, dict | None]:
         self.resumed_from = None
         resume = self.cfg.trainer.resume
         if resume == "auto":   # the newest that loads completely, falling back past damage
@@ -73,9 +107,6 @@ class CheckpointedWorker:
         if e.kl_controller is not None and state["kl_controller"] is not None:
             e.kl_controller.load_state_dict(state["kl_controller"])
         step = int(state["step"])
-        if self.is_lead:
-            truncate_jsonl(self.run_dir / "metrics.jsonl", step)
-            truncate_jsonl(self.run_dir / GENERATIONS_FILE, step)
         in_flight = ("; the groups in flight then are generated again"
                      if self.placement.kind != "all" else "")
         self.log(f"resumed from {path} (step {step}, saved by {state['world_size']} worker(s), "

@@ -146,8 +146,11 @@ def test_dcp_failure_without_a_manifest_is_a_checkpoint_error(finished, tmp_path
     CheckpointError naming the checkpoint and dcp/."""
     run_dir = copy_run(finished, tmp_path)
     ckpt = step_dir(run_dir, 3)
-    for path in run_dir.glob("checkpoints/*/manifest.json"):
-        path.unlink()
+    for path in run_dir.glob("checkpoints/*/manifest.json"):   # as written before manifests:
+        path.unlink()                                         # no manifest, no format field
+        state = json.loads((path.parent / "trainer_state.json").read_text())
+        del state["format"]
+        (path.parent / "trainer_state.json").write_text(json.dumps(state))
     data = bytearray((ckpt / SHARD).read_bytes())
     data[-4096:] = bytes(4096)
     (ckpt / SHARD).write_bytes(bytes(data))

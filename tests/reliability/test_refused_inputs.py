@@ -182,3 +182,13 @@ def test_debug_prints_the_traceback(tmp_path, capfd):
     err = capfd.readouterr().err
     assert err.startswith("error: DatasetError:")
     assert "Traceback (most recent call last)" in err and "in check_schema_types" in err
+
+
+def test_a_key_given_twice_on_the_command_line_is_refused(tmp_path):
+    proc = train(tmp_path / "run", "actor.lr=1e-3", "actor.lr=1e-6")
+    assert proc.returncode == 2   # a config error
+    line = assert_one_error_line(proc, "given twice: actor.lr=1e-3, actor.lr=1e-6")
+    assert proc.stderr.strip() == line and not (tmp_path / "run").exists()
+    # a key inside one given whole is the same ambiguity
+    proc = train(tmp_path / "run", "reward={source: rule}", "reward.source=rule")
+    assert_one_error_line(proc, "given twice: reward={source: rule}, reward.source=rule")
