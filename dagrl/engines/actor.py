@@ -85,8 +85,11 @@ class ActorEngine(TrainEngine):
                                     temperature=self.temperature,
                                     with_entropy=True, chunk_tokens=self.cfg.logits_chunk_tokens,
                                     pack=self.pack)
-        # Without an old_logprob pass the batch gets one optimizer step, taken from the weights
-        # that generated it (checked in check_batch): pi_old = pi, as a constant.
+        # Without an old_logprob pass the batch gets one optimizer step (checked in
+        # check_batch): pi_old = pi, as a constant. In sync mode pi generated the batch; in async
+        # mode pi is up to max_staleness versions newer, and pi_old = pi is what a recomputed
+        # old_logprob would give too (decoupled PPO's proximal policy): the staleness itself is
+        # corrected only by a rollout correction or bypass_mode (docs/async.md).
         if algo.bypass_mode:   # verl's bypass mode: pi_old is the rollout policy
             old = micro["rollout_logprobs"]
         else:
