@@ -158,12 +158,20 @@ def probe_reward(cfg: Config, fn) -> None:
         row = ParquetPrompts([first], cfg.data.prompt_key).read([0])[0]
     truth = (row.get("reward_model") or {}).get("ground_truth")
     where = f"{first}: row 0 (data_source {row['data_source']!r})"
+    # As a worker calls it: a function may read the rank from the environment, which the
+    # launching process (the Ray driver, a single worker) does not set; rank 0's is lent.
+    lent = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": str(cfg.trainer.n_workers)}
+    lent = {key: value for key, value in lent.items() if key not in os.environ}
+    os.environ.update(lent)
     try:
         unpack_score(call_scorer(fn, row["data_source"], str(truth), truth,
                                  row.get("extra_info")))
     except Exception as err:   # what the user's function raises, or a malformed score
         raise ConfigError(f"reward.custom_fn={spec!r} on {where}, its ground truth as the "
                           f"response: {type(err).__name__}: {err}") from err
+    finally:
+        for key in lent:
+            del os.environ[key]
 
 
 def check_datasets(cfg: Config, key: str) -> None:
