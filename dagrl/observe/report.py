@@ -301,11 +301,12 @@ def shown_path(path: Path) -> str:
         return resolved.name
 
 
-def render_report(run_dir: str | Path, plan_for: PlanFor | None = None) -> str:
+def render_report(run_dir: str | Path, plan_for: PlanFor | None = None,
+                  metrics: JsonlContents | None = None) -> str:
     """The report's HTML. `plan_for(config, world_size) -> (graph, order, plans)` (the one in
     `dagrl.roles.plan`) draws the run's DAG and per-rank plan."""
     run_dir = Path(run_dir)
-    metrics = load_metrics(run_dir)
+    metrics = metrics if metrics is not None else load_metrics(run_dir)
     rows = metrics.records
     skipped = metrics.skipped_line(Path("metrics.jsonl"))   # no path of the writer's machine
     dag_svg, task_names = _plan(run_dir, plan_for)
@@ -344,5 +345,6 @@ def write_report(run_dir: str | Path, out: str | Path | None = None,
     if not run_dir.is_dir():
         raise ReportError(f"no such run directory: {run_dir}")
     path = Path(out) if out else run_dir / "report.html"
-    path.write_text(render_report(run_dir, plan_for), encoding="utf-8")
-    return path, load_metrics(run_dir).skipped_line(run_dir / "metrics.jsonl")
+    metrics = load_metrics(run_dir)
+    path.write_text(render_report(run_dir, plan_for, metrics), encoding="utf-8")
+    return path, metrics.skipped_line(run_dir / "metrics.jsonl")

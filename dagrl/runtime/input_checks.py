@@ -59,7 +59,7 @@ def check_inputs(cfg: Config) -> None:
                            builtins=(TINY_RM,))
     if cfg.reward.source == "judge":
         check_model_source(cfg.judge.path, cfg.judge.gguf_file, section="judge")
-    reward_fn = check_reward(cfg)
+    check_reward(cfg)
     t = cfg.trainer
     data_keys = ["train_files"]
     if t.val_every > 0 or t.val_before_train:
@@ -68,14 +68,13 @@ def check_inputs(cfg: Config) -> None:
         check_datasets(cfg, key)
     r = cfg.reward
     # With reward.timeout_s the scorer may hang by design: only its pool can stop it.
-    if reward_fn is not None and r.source == "rule" and r.on_error == "raise" and not r.timeout_s:
+    if r.custom_fn and r.source == "rule" and r.on_error == "raise" and not r.timeout_s:
         probe_reward(cfg, load_function(r.custom_fn, isolated=True))
     check_prompt_lengths(cfg, data_keys)
     run_dir = Path(t.run_dir or "runs")
     check_dir_usable(run_dir, "trainer.run_dir")
-    check_dir_usable(Path(t.checkpoint_dir) if t.checkpoint_dir else run_dir / "checkpoints",
-                     "trainer.checkpoint_dir")
     checkpoint_root = Path(t.checkpoint_dir) if t.checkpoint_dir else run_dir / "checkpoints"
+    check_dir_usable(checkpoint_root, "trainer.checkpoint_dir")
     check_resume_model(cfg, resolve_resume(t.resume, checkpoint_root))
 
 
@@ -94,12 +93,8 @@ def check_resume_model(cfg: Config, checkpoint: Path | None) -> None:
                                load_tokenizer(str(hf)), str(hf))
     if saved is None:
         return
-    m = cfg.model
-    tokenizer = (build_char_tokenizer() if m.path.startswith(BUILTIN_PREFIX) else
-                 load_tokenizer(str(package_dir(m.path)) if m.path.startswith(PACKAGE_PREFIX)
-                                else m.path, m.gguf_file))
-    problem = identity_mismatch(checkpoint, saved, model_identity(model_config(cfg), tokenizer,
-                                                                  m.path))
+    problem = identity_mismatch(checkpoint, saved, model_identity(
+        model_config(cfg), model_tokenizer(cfg), cfg.model.path))
     if problem:
         raise CheckpointError(problem)
 
@@ -130,18 +125,16 @@ def check_model_source(path: str, gguf_file: str, *, section: str = "model",
                     section)
 
 
-def check_reward(cfg: Config):
-    """reward.custom_fn imports and is callable (the workers import it again); returns it
-    (None: no custom function)."""
+def check_reward(cfg: Config) -> None:
+    """reward.custom_fn imports and is callable (the workers import it again)."""
     spec = cfg.reward.custom_fn
     if not spec:
-        return None
+        return
     try:
-        fn = load_function(spec)
+        load_function(spec)
     except Exception as err:   # anything the user's file raises while it is imported
         message = str(err) if spec in str(err) else f"{type(err).__name__}: {err}"
         raise ConfigError(f"reward.custom_fn={spec!r}: cannot be imported: {message}") from err
-    return fn
 
 
 def probe_reward(cfg: Config, fn) -> None:
@@ -208,22 +201,28 @@ def check_prompt_lengths(cfg: Config, keys: list[str]) -> None:
     a tokenizer is loaded (no weights); a built-in model's is built in memory. The built-in
     datasets are written by prepare_run: the worker's pre-flight checks those
     (runtime/preflight.py)."""
-    m, d = cfg.model, cfg.data
+    d = cfg.data
     files = {key: [f for f in getattr(d, key) if not f.startswith(BUILTIN_PREFIX)]
              for key in keys}
     if not any(files.values()):
         return
-    if m.path.startswith(BUILTIN_PREFIX):   # what prepare_run writes beside the tiny model
-        tokenizer = build_char_tokenizer()
-    else:
-        path = str(package_dir(m.path)) if m.path.startswith(PACKAGE_PREFIX) else m.path
-        tokenizer = load_tokenizer(path, m.gguf_file)
+    tokenizer = model_tokenizer(cfg)
     for key, paths in files.items():
         if paths:
             source = ParquetPrompts(paths, d.prompt_key, config_key=f"data.{key}")
             PromptLoader(source, tokenizer, batch_size=1, tail="pad",
                          max_prompt_length=d.max_prompt_length,
                          truncation=d.truncation).check_prompt_lengths(PREFLIGHT_ROWS)
+
+
+def model_tokenizer(cfg: Config):
+    """The configured model's tokenizer, without its weights: a built-in model's built in memory
+    (what prepare_run writes beside the tiny model), an installed package's, a directory's."""
+    m = cfg.model
+    if m.path.startswith(BUILTIN_PREFIX):
+        return build_char_tokenizer()
+    path = str(package_dir(m.path)) if m.path.startswith(PACKAGE_PREFIX) else m.path
+    return load_tokenizer(path, m.gguf_file)
 
 
 def check_dir_usable(path: Path, key: str) -> None:

@@ -6,6 +6,7 @@ files and their atomic commit are runtime/checkpoint.py's.
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -48,13 +49,15 @@ class CheckpointedWorker:
         began = time.perf_counter()
         path = self.checkpointer.save(step, self.stateful_engines(), state,
                                       hf_files=self.engines.write_hf_files,
-                                      manifest=self.manifest_entries())
+                                      manifest=self.manifest_entries)
         self.log(f"checkpoint: step {step} -> {path} ({time.perf_counter() - began:.1f} s)")
         return path
 
+    @functools.cached_property
     def manifest_entries(self) -> dict:
         """What the manifest records beside its files: the actor's model (compared before a
-        resume builds anything: runtime/input_checks.py) and the layout that wrote it."""
+        resume builds anything: runtime/input_checks.py) and the layout that wrote it. The
+        same for the whole run: computed once (hashing a large vocabulary takes a moment)."""
         e, a = self.engines, self.cfg.actor
         return {"model": model_identity(plain_config(e.actor.model.config), e.tokenizer,
                                         self.cfg.model.path),
