@@ -61,13 +61,17 @@ def run_distributed(fn, world: int, *args, timeout: float = 180.0) -> list:
 
 def torchrun_train(run_dir, workers: int, *overrides: str) -> str:
     """`dagrl.train` on `workers` torchrun processes; its stdout + stderr (fails the test on a
-    non-zero exit, with the end of stderr)."""
+    non-zero exit, with the end of stderr). `overrides` may repeat the run dir and worker count
+    (dagrl itself refuses a key given twice)."""
     import subprocess
     import sys
 
+    from dagrl.config.loader import with_defaults
+
+    args = with_defaults([f"trainer.run_dir={run_dir}", f"trainer.n_workers={workers}"],
+                         overrides)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(workers),
-           "--master-port", str(free_port()), "-m", "dagrl.train", f"trainer.run_dir={run_dir}",
-           f"trainer.n_workers={workers}", *overrides]
+           "--master-port", str(free_port()), "-m", "dagrl.train", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout + proc.stderr

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from dagrl.config.loader import with_defaults
 from dagrl.config.presets import load_run_config
 from dagrl.runtime.launch import launch
 from tests.dist_helpers import free_port
@@ -51,9 +52,11 @@ def one_worker(tmp_path_factory):
 
 
 def torchrun(run_dir, *overrides):
+    # The defaults under the caller's overrides (dagrl refuses a key given twice).
+    args = with_defaults([f"trainer.run_dir={run_dir}", "trainer.n_workers=2",
+                          f"trainer.total_steps={STEPS}", *FAST], overrides)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(free_port()), "-m", "dagrl.train", f"trainer.run_dir={run_dir}",
-           "trainer.n_workers=2", f"trainer.total_steps={STEPS}", *FAST, *overrides]
+           "--master-port", str(free_port()), "-m", "dagrl.train", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc

@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from dagrl.config.loader import with_defaults
 from dagrl.data.batch import Batch, response_attention
 from dagrl.observe.metrics import StepMetrics
 from dagrl.roles.multi_model import merge_view, mix_rewards, model_view
@@ -178,7 +179,7 @@ def test_model_rewards_of_tool_episodes_on_two_workers(tmp_path, source):
         scoring = ["reward.source=judge", f"judge.path={judge_dir}", "judge.backend=hf",
                    "judge.template=q {prompt} a {response}", r"judge.score_pattern=(\d)",
                    "judge.max_new_tokens=4", "judge.score_scale=9"]
-    torchrun(tmp_path / "run", *TOOLS, "trainer.total_steps=2", *scoring)
+    torchrun(tmp_path / "run", *with_defaults(TOOLS, ["trainer.total_steps=2", *scoring]))
     history = metrics(tmp_path / "run")
     assert len(history) == 2
     for step in history:
