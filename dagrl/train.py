@@ -4,7 +4,8 @@
     dagrl train examples/grpo_arith.yaml actor.lr=1e-3 trainer.total_steps=100
     dagrl train --print-config rollout.n=4       # show the resolved config and exit
     dagrl train trainer.n_workers=2              # two workers, started as Ray actors
-    torchrun --nproc-per-node 2 -m dagrl.train trainer.n_workers=2   # the same, without Ray
+    dagrl train --nproc-per-node 2               # two workers under torchrun's agent, no Ray
+    torchrun --nproc-per-node 2 -m dagrl.train trainer.n_workers=2   # the same, torchrun's output
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from collections.abc import Sequence
 from dagrl.config.loader import ConfigError, dump_yaml
 from dagrl.config.presets import load_run_config
 from dagrl.config.schema import Config
+
+# torchrun's options `dagrl train` passes on to the agent (runtime/torchrun_launcher.py).
+TORCHRUN_OPTIONS = ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr",
+                    "--master-port", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id")
 
 
 def split_config_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -112,8 +117,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="print tracebacks on the terminal (they always go to the run's "
                              "dagrl.log)")
     parser.add_argument("args", nargs="*", help="[CONFIG.yaml] [key=value ...]")
+    launcher = parser.add_argument_group(
+        "torchrun", "start the workers under torchrun's agent in this process (one line per "
+        "failure, no launcher traceback); the options mean what torchrun's do")
+    for option in TORCHRUN_OPTIONS:
+        launcher.add_argument(option, metavar=option.strip("-").split("-")[-1].upper())
     ns = parser.parse_args(argv)
+    launcher_args = [item for option in TORCHRUN_OPTIONS
+                     if (value := getattr(ns, option.strip("-").replace("-", "_"))) is not None
+                     for item in (option, value)]
+    if launcher_args:
+        from dagrl.runtime.torchrun_launcher import with_worker_count
+
+        if ns.print_config:
+            parser.error("--print-config runs no workers: give it without the torchrun options")
+        ns.args = with_worker_count(launcher_args, ns.args)
     try:
+        # Under dagrl's torchrun launcher too: a config error is found once, before any worker.
         cfg = load_cli_config(ns.args)
     except ConfigError as err:
         # Under torchrun every rank finds the same error: rank 0 says it (and torchrun's
@@ -133,6 +153,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.print_config:
         print(dump_yaml(cfg), end="")
         return 0
+    if launcher_args:
+        from dagrl.runtime.torchrun_launcher import launch_torchrun
+
+        return launch_torchrun(launcher_args, ns.args, ns.debug)
     from dagrl.runtime.distributed import env_world
     from dagrl.runtime.process import torchrun_main
 
@@ -151,23 +175,38 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _launch(cfg: Config, debug: bool) -> int:
     """Run in this process (one worker) or as the Ray driver; any failure is one line (and a
     hint saying where its traceback went)."""
-    from dagrl.runtime.failures import Failure, Terminated, append_run_log, report
+    from dagrl.runtime.failures import (
+        INTERRUPTED_EXIT,
+        Failure,
+        Terminated,
+        append_run_log,
+        interrupted_line,
+        interrupts_once,
+        report,
+        was_interrupted,
+    )
     from dagrl.runtime.launch import Outcome, launch
     from dagrl.runtime.ray_launcher import WorkerFailed
 
     outcome = Outcome()
     try:
-        launch(cfg, outcome)
+        with interrupts_once():
+            launch(cfg, outcome)
     except Terminated as err:
         message = "stopped by SIGTERM; the workers (and Ray) were shut down"
         print(f"error: {message}", file=sys.stderr)
         append_run_log(outcome.run_dir, message)
         return int(err.code)
     except (Exception, KeyboardInterrupt) as err:
+        if was_interrupted(err):   # Ctrl-C: not an error; where it stopped, how to go on
+            line = interrupted_line(outcome.run_dir, cfg.trainer.checkpoint_dir)
+            print(line, file=sys.stderr)
+            append_run_log(outcome.run_dir, line)
+            return INTERRUPTED_EXIT
         failure = err.failure if isinstance(err, WorkerFailed) else Failure.of(err)
         # A bug (not a user error) with nowhere to log it: the traceback is all there is.
         report(failure, outcome.log, debug or (outcome.log is None and not failure.user))
-        return 130 if isinstance(err, KeyboardInterrupt) else 1
+        return 1
     return 0
 
 

@@ -37,13 +37,13 @@ def _gather(rank, world, model_dir, shard_size, tp=1, sp=1):
         mesh = build_train_mesh(world, tp, sp, "cpu", shard_size)
         model = parallelize_model(load_model(model_dir), mesh)
     groups = []
-    real = dist.all_gather_into_tensor
+    real = dist.all_gather_single
 
     def counted(out, inp, group=None, **kwargs):
         groups.append(dist.get_world_size(group))
         return real(out, inp, group=group, **kwargs)
 
-    weight_sync.dist.all_gather_into_tensor = counted
+    weight_sync.dist.all_gather_single = counted
     ours = dict(weight_sync.gather_full_weights(model, bucket_bytes=4096))
     mismatched = [name for name, p in model.named_parameters()
                   if not torch.equal(ours[name], p.full_tensor())]

@@ -3,6 +3,7 @@ from __future__ import annotations
 import math
 import random
 import textwrap
+import time
 
 import pytest
 
@@ -395,6 +396,41 @@ def test_pooled_scorers_run_in_other_processes_and_keep_the_error_rules(slow_fil
         builtin = RewardManager(num_workers=1)
         assert builtin.score(["19"], ["arith"], ["19"], [None]).scores == [1.0]
         builtin.pool.close()
+    finally:
+        manager.pool.close()
+
+
+KILLED_ONCE = textwrap.dedent(
+    """
+    import os
+    import signal
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        if solution_str == "die" and not os.path.exists(extra_info["marker"]):
+            open(extra_info["marker"], "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)   # as the OOM killer would, mid-sample
+        return {"score": float(solution_str == ground_truth), "pid": os.getpid()}
+    """
+)
+
+
+def test_a_pool_worker_killed_mid_batch_or_while_idle_loses_no_sample(tmp_path):
+    import os
+    import signal
+
+    path = tmp_path / "killed_once.py"
+    path.write_text(KILLED_ONCE)
+    manager = RewardManager(custom_fn=f"{path}:compute_score", num_workers=2)
+    info = [{"marker": str(tmp_path / "died")}] * 4
+    try:
+        result = manager.score(["7", "die", "8", "7"], ["x"] * 4, ["7"] * 4, info)
+        assert (tmp_path / "died").exists() and manager.pool.restarts == 1
+        assert result.scores == [1.0, 0.0, 0.0, 1.0] and result.n_errors == 0
+        worker = manager.score(["7"], ["x"], ["7"], info[:1]).extra["pid"][0]
+        os.kill(int(worker), signal.SIGKILL)   # a worker of the new pool, waiting for work
+        time.sleep(0.5)
+        again = manager.score(["7", "8"], ["x"] * 2, ["7"] * 2, info[:2])
+        assert again.scores == [1.0, 0.0] and manager.pool.restarts == 2
     finally:
         manager.pool.close()
 

@@ -28,13 +28,13 @@ def _gather(rank, world, model_dir, bucket_bytes):
 
     model = shard_model(load_model(model_dir), world, "cpu")
     calls = []
-    real = dist.all_gather_into_tensor
+    real = dist.all_gather_single
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    weight_sync.dist.all_gather_into_tensor = counted
+    weight_sync.dist.all_gather_single = counted
     ours = dict(weight_sync.gather_full_weights(model, bucket_bytes=bucket_bytes))
     mismatched = [name for name, p in model.named_parameters()
                   if not torch.equal(ours[name], p.full_tensor())]
@@ -69,9 +69,9 @@ def _tp_sync(rank, world, model_dir, bucket_bytes):
     model = parallelize_model(load_model(model_dir), mesh)
     dims = {tuple(dist.get_process_group_ranks(mesh.mesh[d].get_group())): d for d in ("dp", "tp")}
     calls: list[tuple[str, int]] = []      # (mesh dim, bytes received), in order
-    real_gather, real_full = dist.all_gather_into_tensor, DTensor.full_tensor
+    real_gather, real_full = dist.all_gather_single, DTensor.full_tensor
 
-    def all_gather_into_tensor(out, inp, group=None, **kwargs):
+    def all_gather_single(out, inp, group=None, **kwargs):
         dim = dims.get(tuple(dist.get_process_group_ranks(group)), "other")
         calls.append((dim, (out.numel() - inp.numel()) * out.element_size()))
         return real_gather(out, inp, group=group, **kwargs)
@@ -87,12 +87,12 @@ def _tp_sync(rank, world, model_dir, bucket_bytes):
         yield from real_bucket(bucket, base, tensor_parallel)
         per_bucket.append((tensor_parallel, [d for d, _ in calls[before:]]))
 
-    dist.all_gather_into_tensor, DTensor.full_tensor = all_gather_into_tensor, full_tensor
+    dist.all_gather_single, DTensor.full_tensor = all_gather_single, full_tensor
     weight_sync._gather_bucket = gather_bucket
     try:
         full = dict(weight_sync.gather_full_weights(model, bucket_bytes=bucket_bytes))
     finally:
-        dist.all_gather_into_tensor, DTensor.full_tensor = real_gather, real_full
+        dist.all_gather_single, DTensor.full_tensor = real_gather, real_full
         weight_sync._gather_bucket = real_bucket
     reference = dict(load_model(model_dir).named_parameters())
     mismatched = [n for n, p in reference.items() if n not in full or not torch.equal(full[n], p)]

@@ -81,13 +81,13 @@ def gather_replica(batch: Batch, replica_group: dist.ProcessGroup | None, *,
     buf = pack(batch, device)
     size = torch.tensor([buf.numel()], dtype=torch.int64, device=device)
     sizes = torch.empty(g, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(sizes, size, group=replica_group)
+    dist.all_gather_single(sizes, size, group=replica_group)
     sizes = sizes.tolist()
     width = max(sizes)
     send = torch.zeros(width, dtype=torch.uint8, device=device)
     send[:buf.numel()] = buf
     recv = torch.empty(g * width, dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(recv, send, group=replica_group)
+    dist.all_gather_single(recv, send, group=replica_group)
     out_device = batch_device(batch, device)
     parts = [unpack(recv[k * width:k * width + n], out_device, copy=False)
              for k, n in enumerate(sizes)]

@@ -3,7 +3,7 @@
 `param.full_tensor()` costs one collective per parameter (two on a 2-D mesh): a few hundred
 small collectives for a real model, each paying the collective's latency. Here the local shards
 of many parameters are packed into one flat buffer per bucket and gathered with a single
-`all_gather_into_tensor` per mesh dimension (the CANN team's finding for verl: gather inside
+`all_gather_single` per mesh dimension (the CANN team's finding for verl: gather inside
 each dimension's group per bucket, never per parameter):
 
     1. over the FSDP (dp) group: every rank's rows of its tensor-parallel slice -> the slice
@@ -132,7 +132,7 @@ def _gather_flat(pieces: list[torch.Tensor], counts: list[list[int]],
     send = pieces[0].new_zeros(width)
     torch.cat([t.reshape(-1) for t in pieces], out=send[:sum(t.numel() for t in pieces)])
     gathered = send.new_empty(world * width)                      # [world x width]
-    dist.all_gather_into_tensor(gathered, send, group=group)
+    dist.all_gather_single(gathered, send, group=group)
     segments = gathered.view(world, width)
     out, offsets = [], [0] * world
     for c in counts:

@@ -15,6 +15,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from dagrl.config.schema import LoggingConfig
+from dagrl.observe.run_files import naming_path
 
 # The metrics shown on the console line, in this order, with their short labels.
 CONSOLE_KEYS = [("reward/mean", "reward"), ("response/length/mean", "len"), ("actor/kl", "kl"),
@@ -28,15 +29,26 @@ class JsonlLogger:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._file = open(path, "a", encoding="utf-8")  # noqa: SIM115 (open for the run; close())
+        self._failed = False   # a write failed: closing fails the same way, and says nothing new
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         record = {"step": step, **{k: (None if isinstance(v, float) and not math.isfinite(v)
                                        else v) for k, v in metrics.items()}}
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        try:
+            with naming_path(self.path):
+                self._file.write(json.dumps(record) + "\n")
+                self._file.flush()
+        except OSError:
+            self._failed = True
+            raise
 
     def close(self) -> None:
-        self._file.close()
+        try:
+            with naming_path(self.path):
+                self._file.close()
+        except OSError:
+            if not self._failed:
+                raise
 
 
 # logging.val_generations: validation samples as text, one JSON record per sample.
@@ -45,7 +57,7 @@ GENERATIONS_FILE = "val_generations.jsonl"
 
 def append_generations(path: Path, step: int, samples: list[dict]) -> None:
     """Append validation samples (dicts of prompt, response, ...) as records of `step`."""
-    with path.open("a", encoding="utf-8") as f:
+    with naming_path(path), path.open("a", encoding="utf-8") as f:
         for sample in samples:
             f.write(json.dumps({"step": step, **sample}, ensure_ascii=False) + "\n")
 

@@ -30,6 +30,7 @@ from dagrl.config.loader import ConfigError
 from dagrl.config.schema import ProfilerConfig
 from dagrl.dag.planner import Task
 from dagrl.device import profiler_for
+from dagrl.observe.run_files import naming_path
 
 PROFILE_DIR = "profile"
 MERGED_TRACE = "trace.json"
@@ -153,7 +154,7 @@ class TaskProfiler:
 
 def _write_json(path: Path, data: dict) -> None:
     tmp = path.with_suffix(".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
+    with naming_path(tmp), open(tmp, "w", encoding="utf-8") as f:
         json.dump(data, f)
     tmp.replace(path)
 

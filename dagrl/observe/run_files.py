@@ -7,10 +7,25 @@ counted, never fatal, and a resume cuts the logs back to the checkpoint's step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+
+@contextlib.contextmanager
+def naming_path(path: Path) -> Iterator[None]:
+    """An OS error while writing `path` names it: a failed write() or flush() (a full disk, a
+    file system gone read-only) carries no file name of its own, and the error line would say
+    "No space left on device" without saying where."""
+    try:
+        yield
+    except OSError as err:
+        if err.filename is None and err.errno is not None:
+            raise OSError(err.errno, err.strerror or str(err), str(path)) from err
+        raise
 
 
 @dataclass

@@ -15,6 +15,7 @@ and write it to torchrun's error file (so torchrun's summary names the cause too
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -30,6 +31,11 @@ from pathlib import Path
 from typing import TextIO
 
 RUN_LOG = "dagrl.log"
+# The machine's refusals (full disk or quota, read-only file system, permission, file too
+# large): no bug of dagrl's; the error's cause and path are the whole story.
+MACHINE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM,
+                            errno.EFBIG})
+INTERRUPTED_EXIT = 130   # the shell's status for a program ended by SIGINT (128 + 2)
 MAX_LINE = 600
 
 
@@ -82,9 +88,11 @@ class Failure:
     def of(cls, err: BaseException, rank: int | None = None, first: bool = True) -> Failure:
         if isinstance(err, KeyboardInterrupt):
             return cls(rank, "KeyboardInterrupt", "interrupted", "", True, first)
+        user = isinstance(err, user_error_types()) or (
+            isinstance(err, OSError) and err.errno in MACHINE_ERRNOS)
         return cls(rank, type(err).__name__, str(err),
                    "".join(traceback.format_exception(type(err), err, err.__traceback__)),
-                   isinstance(err, user_error_types()), first, isinstance(err, PeerFailed))
+                   user, first, isinstance(err, PeerFailed))
 
     def line(self) -> str:
         where = f"rank {self.rank}: " if self.rank is not None else ""
@@ -225,3 +233,73 @@ def sigterm_exits() -> Iterator[None]:
         raise
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+class _Sigint:
+    """Ctrl-C's state in this process (see `interrupts_once`)."""
+    received = False   # a SIGINT arrived
+    pending = False    # ... while a checkpoint was being written: raised once it is
+    deferring = 0      # depth of `interrupts_deferred` blocks
+
+
+def _on_sigint(signum, frame) -> None:
+    if _Sigint.received:   # torchrun's agent passes on the signal the terminal already sent
+        return
+    _Sigint.received = True
+    if _Sigint.deferring:
+        _Sigint.pending = True
+        return
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def interrupts_once() -> Iterator[None]:
+    """While inside: the first SIGINT raises KeyboardInterrupt in the main thread (or, inside
+    `interrupts_deferred`, when that block ends); later ones are ignored, so they cannot cut
+    short the reporting of the first."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _Sigint.received = _Sigint.pending = False
+    previous = signal.signal(signal.SIGINT, _on_sigint)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def was_interrupted(err: BaseException) -> bool:
+    """Whether `err` is Ctrl-C's doing: the KeyboardInterrupt itself, or what a collective
+    raised when a peer left for it (every rank of the terminal's process group got SIGINT)."""
+    return isinstance(err, KeyboardInterrupt) or _Sigint.received
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """A checkpoint being written is finished before Ctrl-C stops the run: the checkpoint the
+    interrupted line names is then whole (its write is atomic either way)."""
+    _Sigint.deferring += 1
+    try:
+        yield
+    finally:
+        _Sigint.deferring -= 1
+        if _Sigint.pending and not _Sigint.deferring:
+            _Sigint.pending = False
+            raise KeyboardInterrupt
+
+
+def interrupted_line(run_dir: Path | str | None, checkpoint_dir: str = "") -> str:
+    """Ctrl-C's one line: the step the run stopped in (the one after the last logged) and the
+    checkpoint the same command resumes from."""
+    from dagrl.observe.run_files import read_jsonl
+    from dagrl.runtime.checkpoint import list_checkpoints
+
+    if not run_dir or not Path(run_dir).is_dir():
+        return "interrupted before the run started; nothing was written"
+    metrics = Path(run_dir) / "metrics.jsonl"
+    steps = [r["step"] for r in read_jsonl(metrics).records
+             if isinstance(r.get("step"), int)] if metrics.is_file() else []
+    found = list_checkpoints(Path(checkpoint_dir or Path(run_dir) / "checkpoints"))
+    last = (f"the last checkpoint is {found[-1][1]} (the same command resumes from it)"
+            if found else "no checkpoint was written (trainer.save_every)")
+    return f"interrupted at step {max(steps, default=0) + 1}; {last}"

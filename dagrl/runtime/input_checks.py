@@ -236,7 +236,10 @@ def check_dir_usable(path: Path, key: str) -> None:
     if not probe.is_dir():
         what = "is a file" if probe == path else f"cannot be written: {str(probe)!r} is a file"
         raise RunDirError(f"{key}={str(path)!r} {what}, not a directory; choose another path")
+    if os.statvfs(probe).f_flag & os.ST_RDONLY:
+        raise RunDirError(f"{key}={str(path)!r} cannot be written ({str(probe)!r} is on a "
+                          "read-only file system); choose another directory")
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise RunDirError(f"{key}={str(path)!r} cannot be written ({str(probe)!r} is not "
-                          "writable); choose another directory")
+        raise RunDirError(f"{key}={str(path)!r} cannot be written ({str(probe)!r}: permission "
+                          "denied for this user); choose another directory")
 

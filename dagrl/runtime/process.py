@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,20 +19,28 @@ from dagrl.config.loader import from_dict, to_dict
 from dagrl.config.schema import Config
 from dagrl.runtime.distributed import DistContext, init_distributed, shutdown
 from dagrl.runtime.failures import (
+    INTERRUPTED_EXIT,
     Failure,
     PeerFailed,
+    append_run_log,
     claim_first_failure,
+    interrupted_line,
+    interrupts_once,
     log_failure,
     mark_reported,
     report,
     wait_reported,
+    was_interrupted,
     write_elastic_error_file,
 )
 from dagrl.runtime.input_checks import check_inputs
+from dagrl.runtime.reaper import proc_stat
 from dagrl.runtime.run_dir import prepare_run, resolve_run_dir, with_run_dir, write_pid_file
 from dagrl.runtime.run_lock import RunLock, announce_takeover, hold_worker_lock
 from dagrl.runtime.watchdog import ORPHANED_EXIT, orphaned, watch_parent
 from dagrl.runtime.worker import Worker
+
+_START_TIME = time.time()   # this process's start, near enough (module import)
 
 
 @dataclass
@@ -113,36 +122,71 @@ def run_worker_from_env(cfg: Config, state: WorkerState | None = None) -> list[d
         shutdown()
 
 
+def peer_died(run_dir: Path, rank: int) -> bool:
+    """Whether another rank of this run is no longer alive (its pid file, written when it
+    started, names a process that is gone; files older than this process are an earlier
+    run's)."""
+    started = _START_TIME
+    for path in (run_dir / "workers").glob("rank*.pid"):
+        try:
+            if path.name == f"rank{rank}.pid" or path.stat().st_mtime < started:
+                continue
+            pid = int(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if proc_stat(pid) is None:
+            return True
+    return False
+
+
 def torchrun_main(cfg: Config, debug: bool) -> int:
     """One torchrun process, start to end; returns its exit status. Errors: one line, from the
-    first failing rank only; every rank's traceback goes to the run log."""
+    first failing rank only; every rank's traceback goes to the run log. Ctrl-C: rank 0 says
+    where the run stopped (every rank of the terminal's process group got the signal)."""
     watch_parent()   # torchrun killed -> this worker stops within 0.1 s
     state = WorkerState(int(os.environ["RANK"]))
     checked = False
     try:
-        # The group first (it writes nothing): the ranks agree through it on who reports.
-        ctx = init_distributed(cfg.trainer.device, host_tensors=cfg.host_tensors_in_collectives)
-        check_inputs(cfg)   # every rank: the same answer, before anything is written
-        checked = True
-        run_worker(cfg, ctx, state, take_lock=True)
+        with interrupts_once():
+            # The group first (it writes nothing): the ranks agree through it on who reports.
+            ctx = init_distributed(cfg.trainer.device,
+                                   host_tensors=cfg.host_tensors_in_collectives)
+            check_inputs(cfg)   # every rank: the same answer, before anything is written
+            checked = True
+            run_worker(cfg, ctx, state, take_lock=True)
         return 0
     except BaseException as err:   # noqa: BLE001 — reported, then the process exits
         if orphaned():   # torchrun is gone: this error is the fallout, and nobody listens
             return ORPHANED_EXIT
-        state.claim(err)
-        # An input refused by the checks is the same on every rank: no rank label.
-        failure = Failure.of(err, state.rank if checked else None, first=state.first)
-        failure.cause_rank = state.cause_rank
-        log = log_failure(state.run_dir, failure)
-        write_elastic_error_file(failure, log)
-        if failure.first and not failure.secondary:
-            # A bug (not a user error) with nowhere to log it: the traceback is all there is.
-            report(failure, log, debug or (log is None and not failure.user))
-            mark_reported()
-        else:
-            if debug:
-                print(failure.line(), file=sys.stderr)
-            wait_reported()   # exiting first would let torchrun kill the reporter mid-line
-        return 1
+        if was_interrupted(err):
+            if state.rank == 0:
+                line = interrupted_line(state.run_dir, cfg.trainer.checkpoint_dir)
+                print(line, file=sys.stderr, flush=True)
+                append_run_log(state.run_dir, line)
+            return INTERRUPTED_EXIT
+        return _report_failure(err, state, checked, debug)
     finally:
         shutdown()
+
+
+def _report_failure(err: BaseException, state: WorkerState, checked: bool, debug: bool) -> int:
+    """Log this rank's failure and print it if it came first; its exit status."""
+    state.claim(err)
+    # An input refused by the checks is the same on every rank: no rank label.
+    failure = Failure.of(err, state.rank if checked else None, first=state.first)
+    failure.cause_rank = state.cause_rank
+    if failure.first and state.run_dir is not None and peer_died(state.run_dir, state.rank):
+        # A peer killed by a signal (kill -9, the OOM killer) says nothing; this rank's error
+        # (a socket reset under a collective) is the consequence: the launcher names the death.
+        failure.secondary = True
+    log = log_failure(state.run_dir, failure)
+    write_elastic_error_file(failure, log)
+    if failure.first and not failure.secondary:
+        # A bug (not a user error) with nowhere to log it: the traceback is all there is.
+        report(failure, log, debug or (log is None and not failure.user))
+        mark_reported()
+    else:
+        if debug:
+            print(failure.line(), file=sys.stderr)
+        wait_reported()   # exiting first would let torchrun kill the reporter mid-line
+    return 1

@@ -14,6 +14,7 @@ from dagrl.engines.models import plain_config
 from dagrl.observe.loggers import GENERATIONS_FILE
 from dagrl.observe.run_files import cut_jsonl
 from dagrl.runtime.checkpoint import CheckpointError, Stateful, resolve_resume
+from dagrl.runtime.failures import interrupts_deferred
 from dagrl.runtime.model_identity import model_identity
 
 
@@ -47,9 +48,10 @@ class CheckpointedWorker:
             state["async"] = {"trainer_ranks": list(self.side.ranks),
                               "in_flight_groups": "regenerated"}
         began = time.perf_counter()
-        path = self.checkpointer.save(step, self.stateful_engines(), state,
-                                      hf_files=self.engines.write_hf_files,
-                                      manifest=self.manifest_entries)
+        with interrupts_deferred():   # Ctrl-C: this checkpoint first
+            path = self.checkpointer.save(step, self.stateful_engines(), state,
+                                          hf_files=self.engines.write_hf_files,
+                                          manifest=self.manifest_entries)
         self.log(f"checkpoint: step {step} -> {path} ({time.perf_counter() - began:.1f} s)")
         return path
 

@@ -39,6 +39,12 @@ def torchrun_cmd(*args: str, workers: int = 2) -> list[str]:
             f"trainer.n_workers={workers}", *args]
 
 
+def dagrl_torchrun_cmd(*args: str, workers: int = 2) -> list[str]:
+    """`dagrl train --nproc-per-node N`: torchrun's agent inside dagrl (no launcher traceback)."""
+    return dagrl_cmd("train", "--nproc-per-node", str(workers), "--master-port",
+                     str(free_port()), *args)
+
+
 def run(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env(),
                           check=False)
