@@ -1,6 +1,6 @@
 """kill -9 anywhere in the composed recipes loses nothing (issue 38; the harness: tests/chaos.py).
 
-DAGRL_CHAOS_KILLS trials (default 2: CI's), trial i with seed DAGRL_CHAOS_SEED + i (default 2);
+DAGRL_CHAOS_KILLS trials (default 2: CI's), trial i with seed DAGRL_CHAOS_SEED + i (default 28);
 the seed picks the recipe, the process and the moment. DAGRL_CHAOS_LOG=FILE appends each trial's
 record as a JSON line (docs/reliability.md's table of 30 came from it); DAGRL_CHAOS_RECIPES=a,b
 picks recipes. The vLLM recipe joins where vLLM is installed (the vLLM venv's run)."""
@@ -16,7 +16,7 @@ import pytest
 from tests import chaos
 
 KILLS = int(os.environ.get("DAGRL_CHAOS_KILLS", "2"))
-SEED = int(os.environ.get("DAGRL_CHAOS_SEED", "2"))   # 2, 3: async + tools, TP=2
+SEED = int(os.environ.get("DAGRL_CHAOS_SEED", "28"))   # 28, 29: async + tools, rank 0, rank 1
 HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 # DAGRL_CHAOS_RECIPES=a,b: only those recipes (default: every recipe this venv can run).
 CHOSEN = [n for n in os.environ.get("DAGRL_CHAOS_RECIPES", "").split(",") if n]
