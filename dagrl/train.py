@@ -21,8 +21,9 @@ from dagrl.config.presets import load_run_config
 from dagrl.config.schema import Config
 
 # torchrun's options `dagrl train` passes on to the agent (runtime/torchrun_launcher.py).
-TORCHRUN_OPTIONS = ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr",
-                    "--master-port", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id")
+TORCHRUN_OPTIONS = {"--nproc-per-node": "N", "--nnodes": "N|MIN:MAX", "--node-rank": "RANK",
+                    "--master-addr": "HOST", "--master-port": "PORT", "--rdzv-backend": "NAME",
+                    "--rdzv-endpoint": "HOST:PORT", "--rdzv-id": "ID"}
 
 
 def split_config_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
@@ -120,8 +121,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     launcher = parser.add_argument_group(
         "torchrun", "start the workers under torchrun's agent in this process (one line per "
         "failure, no launcher traceback); the options mean what torchrun's do")
-    for option in TORCHRUN_OPTIONS:
-        launcher.add_argument(option, metavar=option.strip("-").split("-")[-1].upper())
+    for option, metavar in TORCHRUN_OPTIONS.items():
+        launcher.add_argument(option, metavar=metavar)
     ns = parser.parse_args(argv)
     launcher_args = [item for option in TORCHRUN_OPTIONS
                      if (value := getattr(ns, option.strip("-").replace("-", "_"))) is not None
