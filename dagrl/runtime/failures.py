@@ -10,6 +10,9 @@ process group's key-value store (`claim_first_failure`). `--debug` prints traceb
 A `Failure` is the picklable record of one rank's error; Ray workers return it to the driver
 instead of raising (so Ray prints no remote traceback of its own), torchrun workers print it
 and write it to torchrun's error file (so torchrun's summary names the cause too).
+
+Ctrl-C is no failure: status 130 and one line saying where the run stopped and which checkpoint
+the same command resumes from (`interrupts_once`, `interrupted_line`).
 """
 
 from __future__ import annotations
