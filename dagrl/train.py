@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Sequence
 
-from dagrl.config.loader import ConfigError, dump_yaml
+from dagrl.config.loader import ConfigError, dump_yaml, with_defaults
 from dagrl.config.presets import load_run_config
 from dagrl.config.schema import Config
 
@@ -36,6 +36,18 @@ def split_config_args(args: Sequence[str]) -> tuple[str | None, list[str]]:
     if bad:
         raise ConfigError(f"expected key=value overrides after the config file, got {bad}")
     return path, rest
+
+
+def with_launcher_world(launcher_args: Sequence[str], args: Sequence[str]) -> list[str]:
+    """`[CONFIG.yaml] [key=value ...]` with trainer.n_workers set to the world size torchrun's
+    options give, unless the overrides set it (an elastic range of nodes: left as it is)."""
+    from dagrl.runtime.torchrun_launcher import world_size
+
+    path, overrides = split_config_args(args)
+    world = world_size(launcher_args)
+    if world is not None:
+        overrides = with_defaults([f"trainer.n_workers={world}"], overrides)
+    return [*([path] if path else []), *overrides]
 
 
 def load_cli_config(args: Sequence[str]) -> Config:
@@ -127,13 +139,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     launcher_args = [item for option in TORCHRUN_OPTIONS
                      if (value := getattr(ns, option.strip("-").replace("-", "_"))) is not None
                      for item in (option, value)]
-    if launcher_args:
-        from dagrl.runtime.torchrun_launcher import with_worker_count
-
-        if ns.print_config:
-            parser.error("--print-config runs no workers: give it without the torchrun options")
-        ns.args = with_worker_count(launcher_args, ns.args)
+    if launcher_args and ns.print_config:
+        parser.error("--print-config runs no workers: give it without the torchrun options")
     try:
+        if launcher_args:   # the config's checks (tp x sp dividing the workers) read the count
+            ns.args = with_launcher_world(launcher_args, ns.args)
         # Under dagrl's torchrun launcher too: a config error is found once, before any worker.
         cfg = load_cli_config(ns.args)
     except ConfigError as err:

@@ -15,7 +15,6 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from dagrl.config.loader import with_defaults
 from dagrl.runtime.failures import INTERRUPTED_EXIT
 
 FAILED = 1   # a failed run's status where its worker's is unknown
@@ -43,17 +42,6 @@ def world_size(launcher_args: Sequence[str]) -> int | None:
     if low != high or not ns.nproc_per_node.isdigit():
         return None
     return high * int(ns.nproc_per_node)
-
-
-def with_worker_count(launcher_args: Sequence[str], train_args: Sequence[str]) -> list[str]:
-    """`[CONFIG.yaml] [key=value ...]` with trainer.n_workers set to the launcher's world size
-    unless given: the config's checks (tp x sp dividing the workers, ...) read it."""
-    world = world_size(launcher_args)
-    args = list(train_args)
-    path, overrides = (args[:1], args[1:]) if args and "=" not in args[0] else ([], args)
-    if world is not None:
-        overrides = with_defaults([f"trainer.n_workers={world}"], overrides)
-    return [*path, *overrides]
 
 
 def launch_torchrun(launcher_args: Sequence[str], train_args: Sequence[str],

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import time
 
+from dagrl.runtime.run_lock import RunLock
 from tests.reliability.helpers import (
     FAST,
     ProcessTree,
@@ -61,19 +62,8 @@ def assert_interrupted(proc: subprocess.Popen, err: str, run_dir) -> int:
     assert match.group(2) == str(run_dir / "checkpoints" / newest)
     assert int(match.group(1)) == int(newest.removeprefix("step_")) + 1
     assert not list((run_dir / "checkpoints").glob(".*")), "a temporary checkpoint was left"
-    assert not (run_dir / "run.lock").exists() or _lock_free(run_dir)
+    RunLock(run_dir).acquire(workers_grace_s=0).release()   # the run's locks are free again
     return int(match.group(1))
-
-
-def _lock_free(run_dir) -> bool:
-    import fcntl
-
-    with open(run_dir / "run.lock") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            return False
-    return True
 
 
 def test_ctrl_c_is_status_130_and_names_the_checkpoint_to_resume_from(tmp_path):
