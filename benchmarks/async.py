@@ -9,7 +9,10 @@ Both sides are `torchrun --nproc-per-node 2 -m dagrl.train` with the same config
 `trainer.mode`: sync (both workers generate, then both train, every step) or async (rank 1
 generates, scores and runs the reference, rank 0 trains, the two overlapping with at most
 `--staleness` versions of lag). Same model, data, seed, prompts per step, samples per prompt,
-steps and threads (one per worker).
+steps and threads (one per worker), except that on the agentic workload the async side's
+trainer rank takes `--async-trainer-threads` 2: the core its rollout rank leaves idle while the
+episodes wait (trainer.async_trainer_threads; both sides run with OMP_WAIT_POLICY=PASSIVE, so
+that a thread waiting for a core sleeps; one thread per worker is unaffected by it).
 
 Workload `arith` (the default): a randomly initialised tiny Qwen2 (`--hidden`, `--layers`) on
 the built-in arithmetic task, 8 prompts x 8 samples per step, temperature 1, up to
@@ -34,7 +37,9 @@ Both sides of a round draw the same latency sequence (the service is reseeded be
 from `--seed` and the round); the configured distribution and the measured one (median, p90, p99
 of the calls the service answered) are printed. Here the waiting is what async hides: in sync
 mode every worker's episodes wait on the slowest call of each turn while nothing trains; in
-async mode the trainer rank updates on the previous batch meanwhile. The model (h256 x 4,
+async mode the trainer rank updates on the previous batch meanwhile, and the rollout rank starts
+the next step's batch while a step's slowest call is out (rollout.multi_turn.look_ahead). The
+model (h256 x 4,
 `--hidden`/`--layers`) is sized so that an update of the whole batch on the trainer rank costs
 about as much as the rollout rank's generation plus its wait on the tool, and there is no KL
 term (no reference pass on the rollout rank: `algorithm.kl_loss_coef=0`, as DAPO-style recipes
@@ -73,8 +78,10 @@ from dagrl.config.loader import with_defaults
 SIDES = ("sync", "async")
 WORKLOADS = ("arith", "agentic")
 # Per-workload defaults of the flags left unset (None).
-DEFAULTS = {"arith": {"hidden": 128, "layers": 4, "max_new_tokens": 128},
-            "agentic": {"hidden": 256, "layers": 4, "max_new_tokens": 32}}
+DEFAULTS = {"arith": {"hidden": 128, "layers": 4, "max_new_tokens": 128,
+                      "async_trainer_threads": 1},
+            "agentic": {"hidden": 256, "layers": 4, "max_new_tokens": 32,
+                        "async_trainer_threads": 2}}
 # The calculator's argument schema, as the built-in `calculator` tool declares it.
 CALCULATOR_PARAMETERS = ("{type: object, properties: {expression: {type: string}}, "
                          "required: [expression], additionalProperties: false}")
@@ -113,6 +120,8 @@ def side_args(side: str, ns: argparse.Namespace, run_dir: Path) -> list[str]:
     common += workload_args(ns)
     if side == "async":
         common += ["trainer.mode=async", f"rollout.max_staleness={ns.staleness}"]
+        if ns.async_trainer_threads > 1:
+            common.append(f"trainer.async_trainer_threads={ns.async_trainer_threads}")
     return with_defaults(common, ns.extra)   # the user's extras replace the workload's
 
 
@@ -127,27 +136,37 @@ def run_side(side: str, ns: argparse.Namespace, run_dir: Path) -> dict:
     # A file, not a pipe: the agentic workload logs its failed tool calls every step, and a
     # full pipe that nobody reads until the end would stall the run.
     err_file = run_dir / "stderr.log"
+    # Both sides alike: threads that wait for a core sleep (what `dagrl train` sets when a
+    # trainer rank takes more threads than its core; no effect on one thread per worker).
+    env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     with err_file.open("w") as err_out:
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_out, text=True)
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=err_out, text=True,
+                                env=env)
     stamps: list[float] = []
     records: list[dict] = []
-    seen = 0
+    read = 0   # bytes of the file parsed: whole lines only (a line may be read half-written)
     while True:
         done = proc.poll() is not None
         if metrics_file.is_file():
-            lines = metrics_file.read_text().splitlines()
-            complete = lines if done else lines[:-1] if lines and not lines[-1] else lines
-            for line in complete[seen:]:
+            with metrics_file.open("rb") as f:
+                f.seek(read)
+                tail = f.read()
+            whole = tail[:tail.rfind(b"\n") + 1]
+            for line in whole.splitlines():
                 if line.strip():
                     records.append(json.loads(line))
                     stamps.append(time.perf_counter())
-            seen = len(complete)
+            read += len(whole)
         if done:
             break
         time.sleep(0.02)
     if proc.returncode != 0:
         err = err_file.read_text(errors="replace")
         raise RuntimeError(f"{side} run failed ({proc.returncode}):\n{err[-3000:]}")
+    final = [json.loads(line) for line in metrics_file.read_bytes().splitlines() if line.strip()]
+    if records != final:
+        raise RuntimeError(f"{side}: the metrics read during the run ({len(records)} records) "
+                           f"are not {metrics_file} at its end ({len(final)} records)")
     return {"side": side, "load_before": load, "load_after": os.getloadavg()[0],
             "seconds_total": time.perf_counter() - started,
             "stamps": stamps, "records": records}
@@ -217,6 +236,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--hidden", type=int, default=None, help="arith: 128; agentic: 256")
     parser.add_argument("--layers", type=int, default=None, help="4")
     parser.add_argument("--staleness", type=int, default=1)
+    parser.add_argument("--async-trainer-threads", type=int, default=None,
+                        help="trainer.async_trainer_threads of the async side's trainer rank "
+                             "(arith: 1; agentic: 2, the cores the rollout rank leaves idle "
+                             "while its episodes wait)")
     parser.add_argument("--lr", type=float, default=3e-4, help="actor.lr (see the docstring)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--sides", default="sync,async")
@@ -289,7 +312,10 @@ def report(ns: argparse.Namespace, runs: dict) -> dict:
         work = (f"agentic: tiny qwen2 h{ns.hidden} x{ns.layers} on tool-calc, {ns.prompts} "
                 f"prompts x {ns.samples} samples/step, <= {ns.max_turns} turns, <= "
                 f"{ns.max_new_tokens} tokens per episode, the calculator over HTTP, {kl}")
-    print(f"\nworkload: {work}, {ns.steps} steps ({ns.warmup} warm-up), 2 workers x 1 thread, "
+    threads = "2 workers x 1 thread" + (
+        f" (async: the trainer rank {ns.async_trainer_threads} threads, OMP_WAIT_POLICY="
+        f"{os.environ.get('OMP_WAIT_POLICY', 'PASSIVE')})" if ns.async_trainer_threads > 1 else "")
+    print(f"\nworkload: {work}, {ns.steps} steps ({ns.warmup} warm-up), {threads}, "
           f"{ns.rounds} round(s), staleness <= {ns.staleness}")
     if ns.workload == "agentic":
         t = summarize_calls([Call(*c) for rs in runs.values() for r in rs

@@ -164,6 +164,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if ns.print_config:
         print(dump_yaml(cfg), end="")
         return 0
+    if cfg.trainer.async_trainer_threads:   # the workers started from here inherit it
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if launcher_args:
         from dagrl.runtime.torchrun_launcher import launch_torchrun
 

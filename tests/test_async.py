@@ -27,6 +27,41 @@ ORDER = ["rollout", "ref", "reward", "adv", "update"]   # reward after a trainer
 ROLLOUT_SIDE_ROLES, FOLLOWER_ROLES = roles_on_side("rollout"), roles_on_side("follower")
 
 
+def test_the_next_steps_prompts_come_once_weights_are_fresh_enough_and_move_no_data(
+        tmp_path, tokenizer):
+    from types import SimpleNamespace
+
+    from dagrl.data.dataset import ParquetPrompts, PromptLoader
+    from dagrl.data.makers import make_arith
+    from dagrl.runtime.streams import FreshWeightsPromptSource
+
+    files = make_arith(tmp_path, seed=0)
+    loader = PromptLoader(ParquetPrompts([str(files["train"])]), tokenizer, batch_size=4,
+                          max_prompt_length=32)
+    source = FreshWeightsPromptSource(loader, torch.device("cpu"), [], source_rank=0,
+                                      dtype=torch.float32, last_version=4, max_staleness=1,
+                                      group=None)
+    engine = SimpleNamespace(version=1, arrived=[])   # a receiver: versions loaded on poll
+
+    def poll_all():
+        loaded = bool(engine.arrived)
+        if loaded:
+            engine.version = engine.arrived.pop()
+        return loaded
+
+    engine.poll_all = poll_all
+    source.receivers = [engine]
+    position = loader.state_dict()
+    # Step 3 is generated with version >= 1; step 4 needs version >= 2, not here yet.
+    assert source.next_prompts(3) is None
+    engine.arrived.append(2)
+    ahead = source.next_prompts(3)
+    assert ahead is not None and source.loads_mid_request == 1
+    assert loader.state_dict() == position   # the step reads them again, as a resume would
+    assert ahead["row_index"].tolist() == loader.next_batch()["row_index"].tolist()
+    assert source.next_prompts(5) is None    # the run's last step is 5: nothing after it
+
+
 def test_placement_defaults_half_and_half_and_puts_the_rollout_side_first():
     graph, order, sides = place_async(GRPO, ORDER, 4, ROLLOUT_SIDE_ROLES)
     assert sides.trainer_ranks == (0, 1) and sides.rollout_ranks == (2, 3)
@@ -84,6 +119,8 @@ def test_async_config_is_checked_and_planned():
         load_config(Config, None, ["rollout.partial=true"])
     with pytest.raises(ConfigError, match="max_staleness"):
         load_config(Config, None, ["rollout.max_staleness=-1"])
+    with pytest.raises(ConfigError, match="async_trainer_threads needs trainer.mode=async"):
+        load_config(Config, None, ["trainer.async_trainer_threads=2"])
     cfg = load_config(Config, None, ["trainer.mode=async", "trainer.n_workers=2"])
     _, _, plans, sides = plan_with_sides(cfg, 2)
     assert sides.rollout_nodes == ("rollout", "reward", "ref_logprob")

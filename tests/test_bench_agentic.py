@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import json
 import math
 import random
 from pathlib import Path
@@ -93,5 +94,11 @@ def test_the_bench_runs_sync_beside_async_on_the_agentic_workload(
     assert "async / sync: " in out and "staleness max" in out
     args = bench.side_args("async", bench.parse_args(["--workload", "agentic"]), tmp_path)
     assert "rollout.multi_turn.tools=[http]" in args and "trainer.mode=async" in args
+    # The trainer rank takes the core the rollout rank leaves idle while its episodes wait.
+    assert "trainer.async_trainer_threads=2" in args
+    assert "async: the trainer rank 2 threads, OMP_WAIT_POLICY=" in out
     for side in ("sync", "async"):   # both sides ran and logged their steps
         assert (tmp_path / f"{side}-0" / "metrics.jsonl").is_file()
+    # The rollout rank asked every step whether the next batch could start early.
+    first = json.loads((tmp_path / "async-0" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "multi_turn/started_ahead" in first

@@ -158,6 +158,69 @@ def test_tool_calls_run_concurrently_up_to_the_limit(tok):
     assert loop.engine.calls == 2   # one batched generate per turn, not one per episode
 
 
+class SlowCalculator:
+    """The calculator answering after `delay_s` (a remote tool's latency); counts its calls."""
+    name, description = "calculator", "computes"
+    parameters = {"type": "object", "properties": {"expression": {"type": "string"}},
+                  "required": ["expression"]}
+
+    def __init__(self, delay_s: float):
+        self.delay_s, self.calls = delay_s, []
+
+    async def call(self, arguments):
+        self.calls.append(arguments["expression"])
+        await asyncio.sleep(self.delay_s)
+        return str(eval(arguments["expression"], {}))   # digits and + * only (the test's)
+
+
+def test_the_next_batch_starts_while_this_one_waits_on_its_tools(tok):
+    cfg = MultiTurnConfig(enable=True, tools=["calculator"], format="tiny", max_turns=3)
+    first, second = rows("1*2+3", "4*5+6"), rows("7*8+9", "2*3+4")
+    seeds1, seeds2 = torch.tensor([11, 12]), torch.tensor([21, 22])
+    tool = SlowCalculator(delay_s=0.3)
+    loop = tiny_loop(tok, calculator_policy, cfg, tools={"calculator": tool})
+    asked = []
+
+    def look_ahead():   # weights too stale on the first ask, fresh enough on the second
+        asked.append(len(tool.calls))
+        return None if len(asked) == 1 else (second, seeds2)
+
+    out1 = loop.generate(first, seeds1, SamplingParams(1.0), CPU, look_ahead=look_ahead)
+    # The second batch's first turn was generated, and its calls sent, during the first
+    # batch's wait: 2 generates of the first batch + 1 of the second, 4 calls made.
+    assert len(asked) == 2 and loop.engine.calls == 3 and len(tool.calls) == 4
+    assert not out1.started_ahead
+    out2 = loop.generate(second, seeds2, SamplingParams(1.0), CPU, look_ahead=lambda: None)
+    assert out2.started_ahead and loop.engine.calls == 4 and len(tool.calls) == 4
+    # Started ahead or not, a batch's episodes are the same.
+    fresh = tiny_loop(tok, calculator_policy, cfg, tools={"calculator": SlowCalculator(0.0)})
+    for out, batch, seeds in ((out1, first, seeds1), (out2, second, seeds2)):
+        alone = fresh.generate(batch, seeds, SamplingParams(1.0), CPU)
+        for name in ("responses", "response_mask", "attention_mask", "logprobs", "turns",
+                     "tool_calls"):
+            assert torch.equal(getattr(out, name), getattr(alone, name)), name
+    assert tok.decode(out2.responses[0, :int(out2.attention_mask[0].sum())],
+                      skip_special_tokens=False) == "7*8+9=65 65<eos>"
+
+
+def test_a_batch_started_ahead_for_prompts_that_never_came_is_dropped(tok):
+    # DAPO's filter took the next step's prompts as more prompts of this step: the step after
+    # reads other prompts (other seeds), and the batch started for it is of no use.
+    cfg = MultiTurnConfig(enable=True, tools=["calculator"], format="tiny", max_turns=3)
+    tool = SlowCalculator(delay_s=0.2)
+    loop = tiny_loop(tok, calculator_policy, cfg, tools={"calculator": tool})
+    loop.generate(rows("1+1"), torch.tensor([1]), SamplingParams(1.0), CPU,
+                  look_ahead=lambda: (rows("2+2"), torch.tensor([2])))
+    # A call without look_ahead (greedy baseline, validation) leaves it for its step.
+    loop.generate(rows("5+5"), torch.tensor([0]), SamplingParams(0.0), CPU)
+    assert loop._ahead is not None
+    out = loop.generate(rows("3+3"), torch.tensor([3]), SamplingParams(1.0), CPU,
+                        look_ahead=lambda: None)
+    assert not out.started_ahead and loop._ahead is None
+    assert tok.decode(out.responses[0, :int(out.attention_mask[0].sum())],
+                      skip_special_tokens=False) == "3+3=6 6<eos>"
+
+
 def test_environment_rewards_land_on_the_last_token_of_their_turn(tok):
     class Counter:
         def reset(self, row):

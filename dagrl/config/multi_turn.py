@@ -100,6 +100,11 @@ class MultiTurnConfig:
     tool_timeout_s: float = 30.0
     # A tool's result is cut to this many characters before it enters the chat.
     max_tool_output_chars: int = 512
+    # trainer.mode=async: while a batch's episodes await their tools, the rollout ranks start
+    # the next step's episodes (first turn generated, first calls sent) as soon as they hold
+    # weights fresh enough for that step (rollout.max_staleness), loading them between turns.
+    # Off: each batch is generated with the weights it started with.
+    look_ahead: bool = True
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     # The service the `http` tool calls (its URL, name and argument schema).
     http: HttpToolConfig = field(default_factory=HttpToolConfig)

@@ -415,6 +415,13 @@ class TrainerConfig:
     device: DeviceChoice = "auto"
     # torch intra-op threads per worker; 0 leaves torch's default.
     torch_threads: int = 0
+    # trainer.mode=async, CPU workers: torch threads of each trainer rank; 0: torch_threads.
+    # The rollout ranks wait for much of a step (on tools, on weights) and leave their cores
+    # idle; a trainer rank with more threads than its share of the cores uses them then. Such
+    # oversubscribed threads need OMP_WAIT_POLICY=PASSIVE (a thread waiting for its core then
+    # sleeps instead of spinning against the rollout rank): `dagrl train` sets it for the
+    # workers it starts, unless it is set (docs/async.md).
+    async_trainer_threads: int = 0
     # CPU workers: glibc malloc keeps freed memory for reuse instead of handing it back to the
     # OS, so each step reuses the last step's pages (-10% update time on the CPU e2e benchmark;
     # the process keeps its peak heap). See engines/host_memory.py. No effect on accelerators.
@@ -468,6 +475,7 @@ class TrainerConfig:
         _check(self.placement_timeout_s > 0, "placement_timeout_s must be > 0")
         _check(self.n_workers > 0, "n_workers must be > 0")
         _check(self.torch_threads >= 0, "torch_threads must be >= 0")
+        _check(self.async_trainer_threads >= 0, "async_trainer_threads must be >= 0")
         _check(self.val_every >= 0, "val_every must be >= 0 (0 disables validation)")
         _check(self.save_every >= 0, "save_every must be >= 0 (0 disables checkpoints)")
         _check(self.keep_last >= 0, "keep_last must be >= 0 (0 keeps every checkpoint)")
@@ -633,6 +641,9 @@ def _check_async(cfg: Config) -> None:
     """trainer.mode=async: rollout and training on different workers (docs/async.md)."""
     r, t = cfg.rollout, cfg.trainer
     _check(not r.partial or cfg.is_async, "rollout.partial needs trainer.mode=async")
+    _check(not t.async_trainer_threads or cfg.is_async,
+           "trainer.async_trainer_threads needs trainer.mode=async (a sync rank both generates "
+           "and trains: trainer.torch_threads sets its threads)")
     if not cfg.is_async:
         return
     _check(t.n_workers >= 2, f"trainer.mode=async needs trainer.n_workers >= 2 (rollout and "

@@ -38,20 +38,7 @@ def index_within_group(uids) -> torch.Tensor:
                      "rollout_logprobs": "R float32", "sample_seed": "int64"})
 def rollout(ctx: NodeContext, batch: Batch) -> Batch:
     cfg = ctx.config.rollout
-    if ctx.node.model:
-        # Another policy (roles/multi_model.py) answers each of the main policy's samples once;
-        # the samples of a group are consecutive rows, so a row's index within its group is
-        # the same on any number of workers. The model's name salts its randomness.
-        sample_index = index_within_group(batch["uid"]).to(batch["row_index"].device)
-        salt = zlib.crc32(ctx.node.model.encode())
-    else:
-        n_prompts = len(batch)
-        batch = batch.repeat_interleave(cfg.n)
-        sample_index = torch.arange(cfg.n, device=batch["row_index"].device).repeat(n_prompts)
-        salt = 0
-    # Randomness keyed by (seed, step, dataset row, sample index): see rollout/sampling.py.
-    batch["sample_seed"] = mix_seed(ctx.config.trainer.seed ^ salt, ctx.step, batch["row_index"],
-                                    sample_index)
+    batch = samples(ctx, batch, ctx.step)
     params = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p)
     if ctx.engines.agent is not None:
         return _multi_turn(ctx, batch, params)
@@ -74,6 +61,25 @@ def rollout(ctx: NodeContext, batch: Batch) -> Batch:
     return batch
 
 
+def samples(ctx: NodeContext, batch: Batch, step: int) -> Batch:
+    """The node's samples of `batch` at `step`, with their seeds (`sample_seed` [N])."""
+    if ctx.node.model:
+        # Another policy (roles/multi_model.py) answers each of the main policy's samples once;
+        # the samples of a group are consecutive rows, so a row's index within its group is
+        # the same on any number of workers. The model's name salts its randomness.
+        sample_index = index_within_group(batch["uid"]).to(batch["row_index"].device)
+        salt = zlib.crc32(ctx.node.model.encode())
+    else:
+        n, n_prompts = ctx.config.rollout.n, len(batch)
+        batch = batch.repeat_interleave(n)
+        sample_index = torch.arange(n, device=batch["row_index"].device).repeat(n_prompts)
+        salt = 0
+    # Randomness keyed by (seed, step, dataset row, sample index): see rollout/sampling.py.
+    batch["sample_seed"] = mix_seed(ctx.config.trainer.seed ^ salt, step, batch["row_index"],
+                                    sample_index)
+    return batch
+
+
 def agent_rows(batch: Batch) -> list[dict]:
     """What an episode starts from: each sample's dataset row."""
     return [{"prompt": p, "data_source": d, "ground_truth": g, "extra_info": e}
@@ -83,8 +89,16 @@ def agent_rows(batch: Batch) -> list[dict]:
 
 def _multi_turn(ctx: NodeContext, batch: Batch, params: SamplingParams) -> Batch:
     agent, m = ctx.engines.agent, ctx.metrics
+    look_ahead = None
+    if ctx.next_prompts is not None and not ctx.node.model:
+        def look_ahead():   # the next step's samples, while this batch waits on its tools
+            prompts = ctx.next_prompts()
+            if prompts is None:
+                return None
+            ahead = samples(ctx, prompts, ctx.step + 1)
+            return agent_rows(ahead), ahead["sample_seed"]
     out = agent.generate(agent_rows(batch), batch["sample_seed"], params,
-                         batch["prompt_ids"].device)
+                         batch["prompt_ids"].device, look_ahead=look_ahead)
     batch["prompt_ids"], batch["prompt_mask"] = out.prompt_ids, out.prompt_mask
     if agent.prompt_width is None:   # handed on from another policy: as wide as the ranks' widest
         batch["prompt_ids"], batch["prompt_mask"] = left_pad(
@@ -107,6 +121,8 @@ def _multi_turn(ctx: NodeContext, batch: Batch, params: SamplingParams) -> Batch
     m.add_mean("prompt/length_mean", float(out.prompt_mask.sum()), n)
     m.add_sum("tokens/total", float(out.attention_mask.sum() + out.prompt_mask.sum()))
     m.add_mean("multi_turn/turns_mean", float(out.turns.sum()), n)
+    if look_ahead is not None or out.started_ahead:
+        m.add_mean("multi_turn/started_ahead", float(out.started_ahead), 1.0)
     m.add_max("multi_turn/turns_max", float(out.turns.max()) if n else 0.0)
     m.add_mean("multi_turn/observation_tokens_mean", float(observed.sum()), n)
     m.add_mean("tools/calls_mean", float(out.tool_calls.sum()), n)

@@ -105,6 +105,9 @@ class NodeContext:
     reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda t: t
     # Runs the nodes before this one again on fresh prompts (DAPO's dynamic sampling).
     more: Callable[[], Batch] | None = None
+    # The next step's prompts when they may be generated now, else None (the async rollout
+    # side: runtime/streams.py); None where the next step needs this one's update first.
+    next_prompts: Callable[[], Batch | None] | None = None
     # The engines of the config's extra `models`, by name (roles/multi_model.py): what a
     # node of the main policy needs to hand data to another model.
     model_engines: Mapping[str, Engines] = field(default_factory=dict)

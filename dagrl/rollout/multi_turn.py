@@ -21,13 +21,23 @@ The response [B, R] interleaves the policy's tokens and the observation tokens:
 
 Turn k of sample b samples with the seed mix(sample_seed[b], k): draws stay the sample's own
 whatever its batch, and differ from turn to turn.
+
+Answers are awaited on an event loop in a thread of its own (`_answer_loop`), so the calling
+thread is free while a turn's tool calls are in flight. The async rollout side uses that time
+(`look_ahead`): while this batch's slowest calls are out, it starts the next step's batch, whose
+first turn it generates and whose first calls it sends, as soon as its weights are fresh enough
+for that step (runtime/streams.py); the next `generate` with the same sample seeds goes on from
+there. A long-tailed tool then delays one batch, not the rollout rank's whole pipeline.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -64,6 +74,7 @@ class MultiTurnOutput:
     calls_by_tool: Counter = field(default_factory=Counter)
     first_error: str = ""          # one failed call's message, for the log
     token_versions: torch.Tensor | None = None   # [B, R] int64, see the module docstring
+    started_ahead: bool = False   # its first turn was generated during the previous batch's
 
 
 @dataclass
@@ -99,6 +110,47 @@ class _Episode:
             [-1] * len(tokens)
 
 
+# How often a batch awaiting its answers asks whether the next one may start.
+LOOK_AHEAD_POLL_S = 0.02
+
+# The next step's batch, started ahead: () -> (rows, sample seeds), or None when it may not
+# be generated yet.
+LookAhead = Callable[[], "tuple[Sequence[dict], torch.Tensor] | None"]
+
+
+@dataclass
+class _Run:
+    """One batch of episodes in flight: the turn it reached and the answers it awaits."""
+    episodes: list[_Episode]
+    seeds: torch.Tensor    # [B] sample seeds
+    params: SamplingParams
+    device: torch.device
+    turn: int = 0
+    live: list[int] = field(default_factory=list)   # the episodes that took turn `turn`
+    answers: Future | None = None   # their replies; None once every episode has ended
+    calls_by_tool: Counter = field(default_factory=Counter)
+    first_error: list[str] = field(default_factory=list)
+    reports_versions: bool = False   # the engine's outputs carried token_versions
+    started_ahead: bool = False
+
+
+_loop_lock = threading.Lock()
+_loop: tuple[int, asyncio.AbstractEventLoop] | None = None
+
+
+def _answer_loop() -> asyncio.AbstractEventLoop:
+    """The process's event loop for tool calls and environment steps, running in a daemon
+    thread (a forked child starts its own: the parent's thread does not exist there)."""
+    global _loop
+    with _loop_lock:
+        if _loop is None or _loop[0] != os.getpid():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="dagrl-agent-answers",
+                             daemon=True).start()
+            _loop = (os.getpid(), loop)
+        return _loop[1]
+
+
 class MultiTurnRollout:
     """The agent loop over one engine (see the module docstring)."""
 
@@ -121,7 +173,7 @@ class MultiTurnRollout:
                          for tid in tokenizer(s, add_special_tokens=False)["input_ids"]}
         self.end_tokens = set(engine.stop_token_ids) - content_stops
         self.stop_tokens = set(engine.stop_token_ids)
-        self.reports_versions = False   # the engine's last output carried token_versions
+        self._ahead: _Run | None = None   # the next step's batch, started by `look_ahead`
 
     @staticmethod
     def format_stop_token_ids(tokenizer, fmt: str) -> list[int]:
@@ -140,29 +192,78 @@ class MultiTurnRollout:
     # ---- the loop ---------------------------------------------------------------------------
 
     def generate(self, rows: Sequence[dict], sample_seed: torch.Tensor, params: SamplingParams,
-                 device: torch.device) -> MultiTurnOutput:
+                 device: torch.device, look_ahead: LookAhead | None = None) -> MultiTurnOutput:
         """One episode per row; `rows[i]` holds prompt (messages), data_source, ground_truth,
-        extra_info; sample_seed: [B]."""
-        episodes = [self._start(row, i) for i, row in enumerate(rows)]
-        self.reports_versions = False
-        first_error: list[str] = []
-        calls_by_tool: Counter = Counter()
-        for turn in range(self.cfg.max_turns):
-            live = [i for i, e in enumerate(episodes) if not e.done and e.left() > 0]
-            if not live:
-                break
-            self._policy_turn(episodes, live, sample_seed, turn, params, device)
-            last_turn = turn == self.cfg.max_turns - 1
-            replies = asyncio.run(self._answer([episodes[i] for i in live], last_turn,
-                                               calls_by_tool, first_error))
-            for i, messages in zip(live, replies, strict=True):
-                e = episodes[i]
-                if e.done or messages is None:
-                    e.done = True
-                    continue
-                e.append(e.transcript.observation_ids(messages), policy=False)
-                e.done = e.left() <= 0
-        return self._output(episodes, device, calls_by_tool, first_error)
+        extra_info; sample_seed: [B]. `look_ahead`: while this batch awaits answers, the next
+        step's (rows, seeds) to start, or None if they may not be generated yet (see the
+        module docstring)."""
+        run = self._started_ahead(sample_seed, params, dropping_others=look_ahead is not None)
+        if run is None:
+            run = self._begin(rows, sample_seed, params, device)
+        while run.answers is not None:
+            # Until the next batch is started, ask again while the answers are awaited: its
+            # weights may arrive during this wait.
+            while look_ahead is not None and self._ahead is None and \
+                    not wait([run.answers], timeout=LOOK_AHEAD_POLL_S).done:
+                self._start_ahead(look_ahead, params, device)
+            self._read_answers(run)
+            self._next_turn(run)
+        return self._output(run)
+
+    def _begin(self, rows: Sequence[dict], sample_seed: torch.Tensor, params: SamplingParams,
+               device: torch.device) -> _Run:
+        run = _Run([self._start(row, i) for i, row in enumerate(rows)], sample_seed, params,
+                   device)
+        self._next_turn(run)
+        return run
+
+    def _next_turn(self, run: _Run) -> None:
+        """Turn `run.turn` of every live episode: the policy's, then its answers set going."""
+        run.answers = None
+        run.live = [i for i, e in enumerate(run.episodes) if not e.done and e.left() > 0]
+        if run.turn >= self.cfg.max_turns or not run.live:
+            return
+        self._policy_turn(run)
+        last_turn = run.turn == self.cfg.max_turns - 1
+        answering = self._answer([run.episodes[i] for i in run.live], last_turn,
+                                 run.calls_by_tool, run.first_error)
+        run.answers = asyncio.run_coroutine_threadsafe(answering, _answer_loop())
+
+    def _read_answers(self, run: _Run) -> None:
+        """Wait for the answers to turn `run.turn` and append them to their episodes."""
+        for i, messages in zip(run.live, run.answers.result(), strict=True):
+            e = run.episodes[i]
+            if e.done or messages is None:
+                e.done = True
+                continue
+            e.append(e.transcript.observation_ids(messages), policy=False)
+            e.done = e.left() <= 0
+        run.turn += 1
+
+    def _start_ahead(self, look_ahead: LookAhead, params: SamplingParams,
+                     device: torch.device) -> None:
+        work = look_ahead()
+        if work is not None:
+            rows, seeds = work
+            self._ahead = self._begin(rows, seeds, params, device)
+            self._ahead.started_ahead = True
+
+    def _started_ahead(self, sample_seed: torch.Tensor, params: SamplingParams,
+                       dropping_others: bool) -> _Run | None:
+        """The batch started ahead if it is this one (same sample seeds and sampling). Another
+        is dropped by the call that would have started it (`dropping_others`): its step read
+        other prompts (DAPO's filter took them as more prompts of the step before)."""
+        ahead = self._ahead
+        if ahead is None:
+            return None
+        if params == ahead.params and torch.equal(ahead.seeds.cpu(), sample_seed.cpu()):
+            self._ahead = None
+            return ahead
+        if dropping_others:
+            self._ahead = None
+            if ahead.answers is not None:
+                ahead.answers.cancel()
+        return None
 
     def _start(self, row: dict, index: int) -> _Episode:
         env = self.env_factory() if self.env_factory is not None else None
@@ -177,9 +278,9 @@ class MultiTurnRollout:
                              f"{self.prompt_width}; raise it")
         return _Episode(transcript, prompt, self.response_width, env)
 
-    def _policy_turn(self, episodes: list[_Episode], live: list[int], sample_seed: torch.Tensor,
-                     turn: int, params: SamplingParams, device: torch.device) -> None:
+    def _policy_turn(self, run: _Run) -> None:
         """Generate the next turn of every live episode, one batch through the engine."""
+        episodes, live, device = run.episodes, run.live, run.device
         contexts = [episodes[i].prompt + episodes[i].response for i in live]
         width = max(len(c) for c in contexts)
         ids = torch.full((len(live), width), self.pad_token_id, dtype=torch.long)
@@ -190,8 +291,8 @@ class MultiTurnRollout:
         limit = max(episodes[i].left() for i in live)
         if self.cfg.max_tokens_per_turn:
             limit = min(limit, self.cfg.max_tokens_per_turn)
-        seeds = mix_seed(sample_seed[live].cpu(), turn)
-        out = self.engine.generate(ids.to(device), mask.to(device), seeds.to(device), params,
+        seeds = mix_seed(run.seeds[live].cpu(), run.turn)
+        out = self.engine.generate(ids.to(device), mask.to(device), seeds.to(device), run.params,
                                    max_new_tokens=limit)
         lengths = out.response_mask.sum(-1).long().tolist()
         for row, i in enumerate(live):
@@ -202,7 +303,7 @@ class MultiTurnRollout:
                         if out.token_versions is not None else None)
             e.append(tokens, policy=True, logprobs=out.logprobs[row, :len(tokens)].tolist(),
                      versions=versions)
-            self.reports_versions = out.token_versions is not None
+            run.reports_versions = out.token_versions is not None
             e.turns += 1
             stopped = bool(tokens) and tokens[-1] in self.stop_tokens
             ends = stopped and tokens[-1] in self.end_tokens
@@ -261,8 +362,8 @@ class MultiTurnRollout:
         limit_chars = self.cfg.max_tool_output_chars
         return result if len(result) <= limit_chars else result[:limit_chars] + " [cut]"
 
-    def _output(self, episodes: list[_Episode], device: torch.device, calls_by_tool: Counter,
-                first_error: list[str]) -> MultiTurnOutput:
+    def _output(self, run: _Run) -> MultiTurnOutput:
+        episodes, device = run.episodes, run.device
         # None: as wide as the longest prompt (another policy's answers, not the dataset's)
         p = self.prompt_width or max(len(e.prompt) for e in episodes)
         b, r = len(episodes), self.response_width
@@ -290,6 +391,6 @@ class MultiTurnRollout:
             prompt_ids.to(device), prompt_mask.to(device), responses.to(device),
             policy.to(device), attention.to(device), logprobs.to(device), scores.to(device),
             [e.final_text for e in episodes], per_sample("turns"), per_sample("calls"),
-            per_sample("errors"), per_sample("format_errors"), calls_by_tool,
-            first_error[0] if first_error else "",
-            versions.to(device) if self.reports_versions else None)
+            per_sample("errors"), per_sample("format_errors"), run.calls_by_tool,
+            run.first_error[0] if run.first_error else "",
+            versions.to(device) if run.reports_versions else None, run.started_ahead)

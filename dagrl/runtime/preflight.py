@@ -42,11 +42,18 @@ def check_prompts(loaders: dict[str, PromptLoader], log: Callable[[str], None]) 
 
 
 def check_cpu_threads(torch_threads: int, workers_here: int, log: Callable[[str], None],
-                      window_s: float = 0.25) -> None:
+                      window_s: float = 0.25, async_trainer_threads: int = 0) -> None:
     """Warn when this host's CPUs are oversubscribed: by our own workers' threads, or (one
-    worker on the host) by other processes busy right now, measured over `window_s`."""
+    worker on the host) by other processes busy right now, measured over `window_s`. Async
+    trainer ranks may take more (`async_trainer_threads`) if their threads sleep while they
+    wait for a core."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     threads = torch_threads or torch.get_num_threads()
+    if async_trainer_threads and os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        log(f"warning: trainer.async_trainer_threads={async_trainer_threads} without "
+            "OMP_WAIT_POLICY=PASSIVE in the workers' environment: threads waiting for a core "
+            "spin against the rollout ranks' (set it where the workers start; dagrl train "
+            "does)")
     if threads * workers_here > cores:
         log(f"warning: {workers_here} worker(s) x {threads} torch threads = "
             f"{threads * workers_here} threads on {cores} cores; steps will be much slower "

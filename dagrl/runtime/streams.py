@@ -18,6 +18,11 @@ version that has arrived between requests (or, with partial rollout, between chu
 token of the batch of step t was drawn by a version in [t-1-max_staleness, t-1]; the trainer
 checks it. Sampling seeds are keyed by step as in sync mode, so with max_staleness=0 and no
 partial rollout each batch is the sync run's.
+
+Multi-turn episodes wait on their tools; while the batch of step t does, the rollout ranks may
+start the batch of step t+1 (`next_prompts`, rollout.multi_turn.look_ahead) once they hold
+version >= t-max_staleness, the same bound: a long tool call then stalls one batch, not the
+pipeline.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class PromptSource:
     """A step's prompts, read by this rank from its shard of the dataset."""
 
     can_give_more = True   # DAPO's filter may ask for more prompts within the step
+    generates_ahead = False   # the next step's prompts need this step's update first
 
     def __init__(self, loader: PromptLoader, device: torch.device) -> None:
         self.loader, self.device = loader, device
@@ -68,6 +74,8 @@ class FreshWeightsPromptSource(PromptSource):
     main one first, then each of `models`: a channel each, in lockstep, since every training
     step updates every policy); newer versions are taken between requests and, with partial
     rollout, between chunks (`between_chunks`)."""
+
+    generates_ahead = True
 
     def __init__(self, loader: PromptLoader, device: torch.device, engines: list, *,
                  source_rank: int, dtype: torch.dtype, last_version: int, max_staleness: int,
@@ -111,6 +119,22 @@ class FreshWeightsPromptSource(PromptSource):
         self.loads_mid_request = 0
         return self.more()
 
+    def next_prompts(self, step: int) -> Batch | None:
+        """The prompts of step+1 if the engines may generate them now: there is such a step,
+        and with the newest weights (loaded here, between turns of step `step`) they hold a
+        version fresh enough for it. The loader is left where it was, so step+1 reads the
+        same prompts again (a resume too), whether or not they were started ahead."""
+        if step > self.last_version:   # step+1 would be past the run's last step
+            return None
+        if self._poll_all():
+            self.loads_mid_request += 1
+        if self.version < step - self.max_staleness:
+            return None
+        position = self.loader.state_dict()
+        prompts = self.more()
+        self.loader.load_state_dict(position)
+        return prompts
+
     def between_chunks(self) -> None:
         if self._poll_all():
             self.loads_mid_request += 1
@@ -126,6 +150,7 @@ class GroupSource:
     generated and scored for the step, with their metrics and data position."""
 
     can_give_more = False   # it reads no prompts: no `more()` within a step
+    generates_ahead = False
 
     def __init__(self, rollout_ranks: tuple[int, ...], group: dist.ProcessGroup | None,
                  device: torch.device, max_staleness: int) -> None:

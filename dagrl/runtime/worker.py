@@ -116,6 +116,8 @@ class Worker(CheckpointedWorker):
         self.placement: Placement = place(self.dist, plans, sides)
         self.plan = plans[self.rank]
         self.side, self.tasks = self.placement.side, self.placement.tasks
+        if self.placement.kind == "trainer" and t.async_trainer_threads:
+            torch.set_num_threads(t.async_trainer_threads)
         self.is_lead = self.rank == self.side.lead and self.placement.trains
         # The ranks that train validate (async: the trainer side, with a rollout engine of its
         # own), each its share of the test split.
@@ -129,7 +131,8 @@ class Worker(CheckpointedWorker):
         # The data first: a bad file is reported before minutes of model loading.
         tokenizer, self.loader, val_source = self._open_data(validates)
         if is_host(self.device):
-            check_cpu_threads(t.torch_threads, self.dist.local_world_size, self.log)
+            check_cpu_threads(t.torch_threads, self.dist.local_world_size, self.log,
+                              async_trainer_threads=t.async_trainer_threads)
         check_mixed_precision(cfg.model.mixed_precision, self.device, self.log)
         self._build_engines(needed, tokenizer)
         if self.loader is not None and self.loader.dropped_per_epoch:
@@ -393,6 +396,9 @@ class Worker(CheckpointedWorker):
                            reduce_sum=self._reducer(group),
                            more=(lambda: self.run_tasks(upstream, self.source.more(), step, again))
                            if self.source.can_give_more else None,
+                           next_prompts=(lambda: self.source.next_prompts(step))
+                           if self.source.generates_ahead and self.cfg.rollout.multi_turn.look_ahead
+                           else None,
                            model_engines=self.model_engines)
 
     def _reducer(self, group):
