@@ -352,6 +352,14 @@ def report(ns: argparse.Namespace, runs: dict) -> dict:
 def main(argv: Sequence[str] | None = None) -> int:
     ns = parse_args(argv)
     base = Path(ns.out) if ns.out else Path(tempfile.mkdtemp(prefix="dagrl-bench-async-"))
+    # A run directory that exists would be resumed (trainer.resume=auto), its old steps read
+    # as this bench's: refused before anything runs.
+    reused = [f"{side}-{r}" for r in range(ns.rounds) for side in ns.sides
+              if (base / f"{side}-{r}").exists()]
+    if reused:
+        print(f"error: --out {base}: {', '.join(reused)} exist(s) from an earlier bench (the "
+              "runs would resume from them); give a new or empty directory", file=sys.stderr)
+        return 2
     service = None
     if ns.workload == "agentic":
         service = ToolService(ns.latency_model, seed=ns.seed).start()

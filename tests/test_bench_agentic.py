@@ -102,3 +102,11 @@ def test_the_bench_runs_sync_beside_async_on_the_agentic_workload(
     # The rollout rank asked every step whether the next batch could start early.
     first = json.loads((tmp_path / "async-0" / "metrics.jsonl").read_text().splitlines()[0])
     assert "multi_turn/started_ahead" in first
+
+
+def test_the_bench_refuses_run_directories_of_an_earlier_bench(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    # They would be resumed, and their old steps read as this bench's.
+    (tmp_path / "async-0").mkdir()
+    assert bench.main(["--workload", "agentic", "--rounds", "1", "--out", str(tmp_path)]) == 2
+    assert "async-0 exist(s) from an earlier bench" in capsys.readouterr().err
