@@ -415,15 +415,18 @@ def test_vllm_backend_without_vllm_names_the_extra(tmp_path, capsys):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_server_backend_needs_urls_and_an_accepted_frozen_policy():
+def test_server_backend_needs_urls_and_live_weights_in_async_mode():
     from dagrl.config.loader import ConfigError
     from dagrl.train import load_cli_config
 
     # The server backend's own refusals (dagrl/rollout/server.py), run when the config loads.
     with pytest.raises(ConfigError, match="rollout.server.urls"):
         load_cli_config(["rollout.backend=server"])
-    with pytest.raises(ConfigError, match="rollout.server.frozen_policy=true"):
-        load_cli_config(["rollout.backend=server", "rollout.server.urls=[http://127.0.0.1:9]"])
+    server = ["rollout.backend=server", "rollout.server.urls=[http://127.0.0.1:9]"]
+    load_cli_config(server)   # the servers take the trained weights (frozen_policy=false)
+    with pytest.raises(ConfigError, match="frozen_policy=true: the servers would never take"):
+        load_cli_config([*server, "rollout.server.frozen_policy=true", "trainer.mode=async",
+                         "trainer.n_workers=2"])
     with pytest.raises(ConfigError, match="http"):
         load_config(Config, None, ["rollout.server.urls=[127.0.0.1:8000]"])
 

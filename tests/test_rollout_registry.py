@@ -76,7 +76,7 @@ def test_the_registry_lists_the_built_in_backends():
     ("hf", True, False, False, False, True),
     ("auto", True, False, True, False, True),
     ("vllm", False, True, False, True, True),
-    ("server", False, True, False, False, False),
+    ("server", False, True, False, False, True),   # unless rollout.server.frozen_policy
 ])
 def test_capabilities_are_declared_by_each_backend(name, numerics, owns, shares, joins, updates):
     b = ROLLOUT_BACKENDS.get(name)
@@ -100,11 +100,10 @@ def test_each_refusal_is_one_line_naming_the_key():
                                                        "model.gguf_file=m.gguf")
     assert "use model.dtype=float32" in _refusal("rollout.backend=vllm", "model.dtype=float64")
     assert "needs rollout.server.urls" in _refusal("rollout.backend=server")
-    assert "rollout.server.frozen_policy=true" in _refusal(
-        "rollout.backend=server", "rollout.server.urls=[http://127.0.0.1:9]")
     # async: the rollout ranks take each new policy (vLLM's engine, which joins the process
-    # group, is built on the trainer ranks too: accepted)
-    assert "cannot take the new weights" in _refusal(*ASYNC, *SERVER)
+    # group, is built on the trainer ranks too: accepted); servers with a frozen policy cannot
+    assert "the servers would never take the versions the trainer sends" in _refusal(
+        *ASYNC, *SERVER)
     load_cli_config([*ASYNC, "rollout.backend=hf"])
     load_cli_config([*ASYNC, "rollout.backend=vllm"])
     # an extra policy's backend is checked too, under its key

@@ -12,6 +12,7 @@ runs).
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -179,8 +180,11 @@ def vllm_server(model_dir):
          # in the composition matrix's multi-turn runs) and a template around them
          "--dtype", "float32", "--max-model-len", "128", "--enforce-eager",
          "--gpu-memory-utilization", "0.2", "--kv-cache-memory-bytes", str(2**28),
-         "--logprobs-mode", "processed_logprobs", "--served-model-name", "tiny"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+         "--logprobs-mode", "processed_logprobs", "--served-model-name", "tiny",
+         # what rollout.server.frozen_policy=false needs: weights loaded through an RPC
+         "--worker-extension-cls", "dagrl.rollout.vllm.WeightSyncExtension"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "VLLM_SERVER_DEV_MODE": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 240
@@ -218,6 +222,36 @@ def test_server_mode_against_vllm_serve(vllm_server, model_dir, prompts):
     a = server.generate(ids, mask, seeds, params, max_new_tokens=8)
     b = server.generate(ids, mask, seeds, params, max_new_tokens=8)
     assert torch.equal(a.responses, b.responses)
+
+
+def test_a_served_policy_takes_the_trained_weights(vllm_server, model_dir, prompts, tmp_path):
+    """rollout.server.frozen_policy=false: after update_weights the server's greedy tokens and
+    log-probs are the hf backend's under the new weights, and again after a second update back
+    to the first weights (which leaves the shared server as it was)."""
+    from dagrl.rollout.server import ServerRollout, ServerSettings
+
+    tok = load_tokenizer(str(model_dir))
+    server = ServerRollout(ServerSettings((vllm_server,), "", timeout_s=30, max_retries=2,
+                                          max_concurrency=4, frozen_policy=False,
+                                          weights_dir=str(tmp_path)),
+                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    ids, mask = prompts
+    greedy = SamplingParams(temperature=0.0)
+    before = server.generate(ids, mask, torch.arange(len(ids)), greedy, max_new_tokens=16)
+    model = load_model(str(model_dir))
+    with torch.no_grad():   # a trained step's worth of change: greedy outputs move
+        generator = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    server.update_weights(model.named_parameters(), version=1)
+    assert server.weights_version == 1
+    _greedy_equal(server, _hf(model, model_dir), ids, mask)
+    moved = server.generate(ids, mask, torch.arange(len(ids)), greedy, max_new_tokens=16)
+    assert not torch.equal(moved.responses, before.responses)
+    first = load_model(str(model_dir))
+    server.update_weights(first.named_parameters(), version=2)
+    _greedy_equal(server, _hf(first, model_dir), ids, mask)
+    assert not list(tmp_path.glob("*.safetensors*"))   # nothing left behind
 
 
 def test_a_judge_served_by_vllm_grades_as_the_in_process_judge(vllm_server, model_dir):

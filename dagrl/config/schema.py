@@ -146,9 +146,15 @@ class ServerConfig:
     max_retries: int = 3
     # Requests in flight at once (over all servers).
     max_concurrency: int = 16
-    # The servers' weights are not updated by training (dagrl drives no server weight
-    # endpoint yet): set true to accept a frozen rollout policy (evaluation, off-policy).
+    # false: after each update the servers generate with the trained weights. The first rank
+    # writes them to `weights_dir` and has each server load them through vLLM's
+    # `/collective_rpc` (start `vllm serve` with VLLM_SERVER_DEV_MODE=1 and
+    # --worker-extension-cls dagrl.rollout.vllm.WeightSyncExtension; dagrl/rollout/server.py).
+    # true: the servers keep the weights they started with (evaluation, off-policy training).
     frozen_policy: bool = False
+    # Where the trained weights are written for the servers to read (a directory they see at
+    # the same path: on one host, memory-backed /dev/shm). Empty: /dev/shm, else the temp dir.
+    weights_dir: str = ""
 
     def __post_init__(self) -> None:
         _check(all(u.startswith(("http://", "https://")) for u in self.urls),

