@@ -254,6 +254,33 @@ def test_a_served_policy_takes_the_trained_weights(vllm_server, model_dir, promp
     assert not list(tmp_path.glob("*.safetensors*"))   # nothing left behind
 
 
+def test_grpo_learns_through_a_served_policy_that_takes_the_trained_weights(
+        vllm_server, model_dir, tmp_path):
+    """The default task through `vllm serve` (rollout.backend=server, live weights): the reward
+    rises as the in-process backends' does, each step's weights reach the server."""
+    from dagrl.rollout.server import ServerRollout, ServerSettings
+
+    cfg = load_config(Config, None, [
+        f"trainer.run_dir={tmp_path / 'run'}", f"model.path={model_dir}",
+        "rollout.backend=server", f"rollout.server.urls=[{vllm_server}]",
+        f"rollout.server.weights_dir={tmp_path}", "trainer.total_steps=30",
+        "trainer.torch_threads=2", "logging.progress_bar=false", "logging.console_every=1000"])
+    try:
+        history = Worker(prepare_run(cfg)).train()
+    finally:   # the module's server back to the model it serves for the other tests
+        tok = load_tokenizer(str(model_dir))
+        ServerRollout(ServerSettings((vllm_server,), "tiny", 30, 2, 4, frozen_policy=False,
+                                     weights_dir=str(tmp_path)),
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+                      ).update_weights(load_model(str(model_dir)).named_parameters(), 31)
+    rewards = [h["reward/mean"] for h in history]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last - first >= 0.1, (first, last, rewards)
+    assert all(h["timing/weight_sync_s"] > 0 for h in history)
+    # the server's log-probs against the trainer's recomputation under the same weights
+    assert max(h["actor/rollout_logprob_gap"] for h in history) <= 0.02
+
+
 def test_a_judge_served_by_vllm_grades_as_the_in_process_judge(vllm_server, model_dir):
     """judge.backend=server: the judge model behind `vllm serve`, graded greedily, gives the
     answers and scores the in-process hf judge gives (vLLM's greedy tokens equal hf's)."""
