@@ -4,9 +4,10 @@
 
 Greedy outputs equal the hf backend's, sampled log-probs agree with the actor's
 recomputation, weights changed by an update reach vLLM, a sample draws the same tokens in any
-batch, and a short GRPO run trains through it. One engine per module (each start takes
-20-40 s). The model is the default tiny one (head size 32, the smallest vLLM's CPU attention
-runs).
+batch, and a short GRPO run trains through it. Against a real `vllm serve`: server mode, a
+served policy taking the trained weights (sync and async), GRPO learning through it, a judge.
+One engine per module (each start takes 20-40 s). The model is the default tiny one (head size
+32, the smallest vLLM's CPU attention runs).
 """
 
 from __future__ import annotations
@@ -279,6 +280,44 @@ def test_grpo_learns_through_a_served_policy_that_takes_the_trained_weights(
     assert all(h["timing/weight_sync_s"] > 0 for h in history)
     # the server's log-probs against the trainer's recomputation under the same weights
     assert max(h["actor/rollout_logprob_gap"] for h in history) <= 0.02
+
+
+def _async_through_a_server(rank: int, world: int, run_dir: str, url: str, model: str,
+                            weights: str) -> list[dict]:
+    from dagrl.runtime.process import run_worker_from_env
+
+    return run_worker_from_env(load_config(Config, None, [
+        f"trainer.run_dir={run_dir}", "trainer.torch_threads=1", f"trainer.n_workers={world}",
+        "trainer.mode=async", "rollout.max_staleness=1", f"model.path={model}",
+        "rollout.backend=server", f"rollout.server.urls=[{url}]",
+        f"rollout.server.weights_dir={weights}", "trainer.total_steps=6",
+        "logging.progress_bar=false", "logging.console_every=1000"]))
+
+
+def test_async_rollout_through_a_served_policy_within_the_staleness_bound(
+        vllm_server, model_dir, tmp_path):
+    """trainer.mode=async with rollout.backend=server: the rollout rank has the server load
+    each version it takes (alone: no other rank waits on it); the trainer checks every token's
+    version against the bound."""
+    from dagrl.rollout.server import ServerRollout, ServerSettings
+
+    try:
+        history = [h for h in run_distributed(
+            _async_through_a_server, 2, str(tmp_path / "run"), vllm_server, str(model_dir),
+            str(tmp_path), timeout=600) if h][0]
+    finally:   # the module's server back to the model it serves for the other tests
+        tok = load_tokenizer(str(model_dir))
+        ServerRollout(ServerSettings((vllm_server,), "tiny", 30, 2, 4, frozen_policy=False,
+                                     weights_dir=str(tmp_path)),
+                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+                      ).update_weights(load_model(str(model_dir)).named_parameters(), 7)
+    assert len(history) == 6
+    assert all(h["async/staleness_max"] <= 1 for h in history)
+    assert all(math.isfinite(h["actor/pg_loss"]) for h in history)
+    # The rollout rank waits for version >= t-2 before the batch of step t: the run could not
+    # end had the server not taken (and the rank loaded) each version. Step 1 is drawn and
+    # trained under the same weights: the server's log-probs are the trainer's.
+    assert history[0]["actor/rollout_logprob_gap"] <= 0.02
 
 
 def test_a_judge_served_by_vllm_grades_as_the_in_process_judge(vllm_server, model_dir):

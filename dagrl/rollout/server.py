@@ -72,12 +72,16 @@ class ServerSettings:
     max_concurrency: int
     frozen_policy: bool = True
     weights_dir: str = ""
+    # Who pushes the weights: the first rank, the others waiting (False: every rank of a sync
+    # run takes each version at once), or the rank that takes them, alone (True: the one
+    # rollout rank of an async run, which takes each version at its own time).
+    push_alone: bool = False
 
     @classmethod
     def from_config(cls, cfg: Config) -> ServerSettings:
         s = cfg.rollout.server
         return cls(tuple(u.rstrip("/") for u in s.urls), s.model, s.timeout_s, s.max_retries,
-                   s.max_concurrency, s.frozen_policy, s.weights_dir)
+                   s.max_concurrency, s.frozen_policy, s.weights_dir, push_alone=cfg.is_async)
 
 
 def _post(url: str, body: dict, timeout_s: float, max_retries: int) -> dict:
@@ -143,6 +147,8 @@ class ServerRollout(RolloutBackend):
     def __init__(self, settings: ServerSettings, *, eos_token_id: int, pad_token_id: int,
                  stop_token_ids: Sequence[int] = ()) -> None:
         self.settings = settings
+        # The servers' weights are every rank's: a version one rank loads is the others' too.
+        self.serves_every_rank = not settings.frozen_policy
         self.pad_token_id = pad_token_id
         self.stop_token_ids = stop_tokens(eos_token_id, stop_token_ids)
         self.weights_version = 0
@@ -201,7 +207,8 @@ class ServerRollout(RolloutBackend):
         # A gathered tensor lives only until its consumer has taken it: copied as it comes.
         weights = {name: t.detach().to("cpu", copy=True).contiguous()
                    for name, t in named_tensors}
-        distributed = dist.is_available() and dist.is_initialized()
+        distributed = dist.is_available() and dist.is_initialized() and \
+            not self.settings.push_alone
         if not distributed or dist.get_rank() == 0:
             self._push(weights, version)
         if distributed:   # no rank generates before every server holds the new version

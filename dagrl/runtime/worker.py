@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dagrl.config.loader import ConfigError
 from dagrl.config.models import model_config
 from dagrl.config.schema import Config
 from dagrl.dag.planner import RankPlan, Task
@@ -270,6 +271,13 @@ class Worker(CheckpointedWorker):
             self.sink = MetricsSink(self.side, self.observer)
         elif p.kind == "rollout":
             policies = self.policy_engines()
+            if p.side.size > 1 and any(getattr(e.rollout, "serves_every_rank", False)
+                                       for e in policies):
+                # Each async rollout rank takes a new version between its own requests.
+                raise ConfigError("trainer.mode=async with rollout.backend=server needs one "
+                                  "rollout rank: the servers are shared by the rollout ranks "
+                                  f"({p.side.size} here), which take each new version each "
+                                  "at its own time; give the rollout nodes one rank")
             self.source = FreshWeightsPromptSource(
                 self.loader, device, [e.rollout for e in policies], source_rank=p.peer.lead,
                 dtype=wire, last_version=last, max_staleness=staleness,
