@@ -44,6 +44,7 @@ import torch.distributed as dist
 from dagrl.config.loader import ConfigError
 from dagrl.config.model_rewards import JudgeConfig
 from dagrl.config.schema import Config, ServerConfig
+from dagrl.device import HOST
 from dagrl.rollout.base import (
     GenerationOutput,
     RolloutBackend,
@@ -205,7 +206,7 @@ class ServerRollout(RolloutBackend):
                 pass
             return
         # A gathered tensor lives only until its consumer has taken it: copied as it comes.
-        weights = {name: t.detach().to("cpu", copy=True).contiguous()
+        weights = {name: t.detach().to(HOST, copy=True).contiguous()
                    for name, t in named_tensors}
         distributed = dist.is_available() and dist.is_initialized() and \
             not self.settings.push_alone
