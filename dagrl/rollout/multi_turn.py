@@ -74,7 +74,7 @@ class MultiTurnOutput:
     calls_by_tool: Counter = field(default_factory=Counter)
     first_error: str = ""          # one failed call's message, for the log
     token_versions: torch.Tensor | None = None   # [B, R] int64, see the module docstring
-    started_ahead: bool = False   # its first turn was generated during the previous batch's
+    started_ahead: bool = False   # its first turn came during the previous batch's tool wait
 
 
 @dataclass
