@@ -73,6 +73,14 @@ def _greedy_equal(engine, reference, ids, mask):
     torch.testing.assert_close(ours.logprobs, ref.logprobs, rtol=1e-4, atol=1e-4)
 
 
+def _move(model: torch.nn.Module) -> None:
+    """A trained step's worth of change to every weight (seeded): greedy outputs move."""
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(0)
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+
+
 def test_greedy_equals_hf_and_updates_reach_vllm(engine, model_dir, prompts):
     ids, mask = prompts
     model = load_model(str(model_dir))
@@ -80,10 +88,7 @@ def test_greedy_equals_hf_and_updates_reach_vllm(engine, model_dir, prompts):
     # An update that changes what greedy decoding emits: vLLM must follow it.
     before = engine.generate(ids, mask, torch.arange(len(ids)), SamplingParams(temperature=0.0),
                              max_new_tokens=16).responses
-    with torch.no_grad():
-        generator = torch.Generator().manual_seed(0)
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    _move(model)
     engine.update_weights(model.named_parameters(), version=1)
     assert engine.weights_version == 1
     _greedy_equal(engine, _hf(model, model_dir), ids, mask)
@@ -225,25 +230,27 @@ def test_server_mode_against_vllm_serve(vllm_server, model_dir, prompts):
     assert torch.equal(a.responses, b.responses)
 
 
+def _live_server(url: str, model_dir, weights_dir):
+    """A server backend over the module's `vllm serve` that sends it the trained weights."""
+    from dagrl.rollout.server import ServerRollout, ServerSettings
+
+    tok = load_tokenizer(str(model_dir))
+    return ServerRollout(ServerSettings((url,), "", timeout_s=30, max_retries=2,
+                                        max_concurrency=4, frozen_policy=False,
+                                        weights_dir=str(weights_dir)),
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+
+
 def test_a_served_policy_takes_the_trained_weights(vllm_server, model_dir, prompts, tmp_path):
     """rollout.server.frozen_policy=false: after update_weights the server's greedy tokens and
     log-probs are the hf backend's under the new weights, and again after a second update back
     to the first weights (which leaves the shared server as it was)."""
-    from dagrl.rollout.server import ServerRollout, ServerSettings
-
-    tok = load_tokenizer(str(model_dir))
-    server = ServerRollout(ServerSettings((vllm_server,), "", timeout_s=30, max_retries=2,
-                                          max_concurrency=4, frozen_policy=False,
-                                          weights_dir=str(tmp_path)),
-                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    server = _live_server(vllm_server, model_dir, tmp_path)
     ids, mask = prompts
     greedy = SamplingParams(temperature=0.0)
     before = server.generate(ids, mask, torch.arange(len(ids)), greedy, max_new_tokens=16)
     model = load_model(str(model_dir))
-    with torch.no_grad():   # a trained step's worth of change: greedy outputs move
-        generator = torch.Generator().manual_seed(0)
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
+    _move(model)
     server.update_weights(model.named_parameters(), version=1)
     assert server.weights_version == 1
     _greedy_equal(server, _hf(model, model_dir), ids, mask)
@@ -259,8 +266,6 @@ def test_grpo_learns_through_a_served_policy_that_takes_the_trained_weights(
         vllm_server, model_dir, tmp_path):
     """The default task through `vllm serve` (rollout.backend=server, live weights): the reward
     rises as the in-process backends' does, each step's weights reach the server."""
-    from dagrl.rollout.server import ServerRollout, ServerSettings
-
     cfg = load_config(Config, None, [
         f"trainer.run_dir={tmp_path / 'run'}", f"model.path={model_dir}",
         "rollout.backend=server", f"rollout.server.urls=[{vllm_server}]",
@@ -269,11 +274,8 @@ def test_grpo_learns_through_a_served_policy_that_takes_the_trained_weights(
     try:
         history = Worker(prepare_run(cfg)).train()
     finally:   # the module's server back to the model it serves for the other tests
-        tok = load_tokenizer(str(model_dir))
-        ServerRollout(ServerSettings((vllm_server,), "tiny", 30, 2, 4, frozen_policy=False,
-                                     weights_dir=str(tmp_path)),
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-                      ).update_weights(load_model(str(model_dir)).named_parameters(), 31)
+        _live_server(vllm_server, model_dir, tmp_path).update_weights(
+            load_model(str(model_dir)).named_parameters(), 31)
     rewards = [h["reward/mean"] for h in history]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last - first >= 0.1, (first, last, rewards)
@@ -299,18 +301,13 @@ def test_async_rollout_through_a_served_policy_within_the_staleness_bound(
     """trainer.mode=async with rollout.backend=server: the rollout rank has the server load
     each version it takes (alone: no other rank waits on it); the trainer checks every token's
     version against the bound."""
-    from dagrl.rollout.server import ServerRollout, ServerSettings
-
     try:
         history = [h for h in run_distributed(
             _async_through_a_server, 2, str(tmp_path / "run"), vllm_server, str(model_dir),
             str(tmp_path), timeout=600) if h][0]
     finally:   # the module's server back to the model it serves for the other tests
-        tok = load_tokenizer(str(model_dir))
-        ServerRollout(ServerSettings((vllm_server,), "tiny", 30, 2, 4, frozen_policy=False,
-                                     weights_dir=str(tmp_path)),
-                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
-                      ).update_weights(load_model(str(model_dir)).named_parameters(), 7)
+        _live_server(vllm_server, model_dir, tmp_path).update_weights(
+            load_model(str(model_dir)).named_parameters(), 7)
     assert len(history) == 6
     assert all(h["async/staleness_max"] <= 1 for h in history)
     assert all(math.isfinite(h["actor/pg_loss"]) for h in history)
