@@ -168,3 +168,37 @@ def test_planner_rejects_bad_ranks():
                                         "options": {"ranks": [5]}}]})
     with pytest.raises(GraphError, match="node 'gen': options.ranks"):
         make_plan(graph, ["gen"], world_size=2)
+
+
+def _rollout_tp_plan(*overrides: str) -> list[tuple[str, str, int]]:
+    from dagrl.roles.plan import plan_for
+    from dagrl.train import load_cli_config
+
+    cfg = load_cli_config(["rollout.backend=vllm", "actor.skip_on_policy_old_logprob=false",
+                           *overrides])
+    _, _, plans = plan_for(cfg, cfg.trainer.n_workers)
+    assert len({tuple(p.tasks) for p in plans}) == 1   # every rank the same tasks
+    return [(t.kind, t.node_id, t.group) for t in plans[1].tasks]
+
+
+def test_rollout_tensor_parallelism_runs_the_rollout_nodes_on_replicas():
+    """rollout.vllm.tensor_parallel_size=2 over 4 ranks: the prompts go into 2 replicas of 2
+    ranks before the rollout (each engine's ranks issue the same requests), the reward runs
+    there, and the training nodes take back each rank's half, moving nothing. With the
+    actor's tensor parallelism of the same size the two layouts are one: no move at all."""
+    assert _rollout_tp_plan("trainer.n_workers=4", "rollout.vllm.tensor_parallel_size=2") == [
+        ("replicate", "rollout", 2), ("node", "rollout", 2), ("node", "reward", 2),
+        ("unreplicate", "old_logprob", 2), ("node", "old_logprob", 1),
+        ("node", "ref_logprob", 1), ("node", "advantage", 1), ("balance", "actor_update", 1),
+        ("node", "actor_update", 1)]
+    assert _rollout_tp_plan("trainer.n_workers=4", "rollout.vllm.tensor_parallel_size=2",
+                            "actor.tensor_parallel_size=2") == [
+        ("replicate", "rollout", 2), ("node", "rollout", 2), ("node", "reward", 2),
+        ("node", "old_logprob", 2), ("node", "ref_logprob", 2), ("node", "advantage", 2),
+        ("balance", "actor_update", 2), ("node", "actor_update", 2)]
+    # different sizes: out of the rollout replicas, into the training ones
+    kinds = _rollout_tp_plan("trainer.n_workers=4", "rollout.vllm.tensor_parallel_size=4",
+                             "actor.tensor_parallel_size=2")
+    assert kinds[:4] == [("replicate", "rollout", 4), ("node", "rollout", 4),
+                         ("node", "reward", 4), ("unreplicate", "old_logprob", 4)]
+    assert kinds[4] == ("replicate", "old_logprob", 2)

@@ -261,10 +261,10 @@ def test_config_and_model_checks_name_the_key():
         check_tensor_parallel(tiny_model_config("tiny-qwen2", 47, 64, 2), 2)
 
 
-def test_plan_refuses_a_mesh_the_model_cannot_split_and_vllm_tp_on_cpu(capsys, tmp_path):
+def test_plan_refuses_a_mesh_the_model_cannot_split_and_a_rollout_tp_the_workers_cannot(
+        capsys, tmp_path):
     from dagrl.cli import main
     from dagrl.config.presets import load_run_config
-    from dagrl.rollout.vllm import VLLMRollout, VLLMSettings
     from dagrl.runtime.input_checks import check_inputs
 
     # a run is refused with the other input checks, before its directory is written
@@ -281,11 +281,17 @@ def test_plan_refuses_a_mesh_the_model_cannot_split_and_vllm_tp_on_cpu(capsys, t
     assert main(["plan", "--memory", "trainer.n_workers=4", "actor.tensor_parallel_size=2",
                  "actor.sequence_parallel_size=2"]) == 2
     assert "actor.sequence_parallel_size=2 must divide" in capsys.readouterr().err
-    cfg = load_run_config(None, ["rollout.backend=vllm", "rollout.vllm.tensor_parallel_size=2"])
-    with pytest.raises(ValueError, match=r"rollout.vllm.tensor_parallel_size=2: vLLM tensor "
-                                         r"parallelism needs GPUs"):
-        VLLMRollout(VLLMSettings.from_config(cfg), torch.device("cpu"), eos_token_id=2,
-                    pad_token_id=0)
+    # rollout tensor parallelism: an engine per tp workers
+    assert main(["plan", "trainer.n_workers=3", "data.train_batch_size=24",
+                 "actor.mini_batch_size=24", "rollout.backend=vllm",
+                 "rollout.vllm.tensor_parallel_size=2"]) == 2
+    assert ("rollout.vllm.tensor_parallel_size=2: each engine is sharded over 2 dagrl workers "
+            "(vLLM joins their process group), so trainer.n_workers (3) must be a multiple of 2"
+            in capsys.readouterr().err)
+    assert main(["plan", "trainer.n_workers=2", "rollout.backend=vllm", "trainer.mode=async",
+                 "rollout.vllm.tensor_parallel_size=2"]) == 2
+    assert ("rollout.vllm.tensor_parallel_size=2 with trainer.mode=async: an async rollout "
+            "rank takes each new weight version" in capsys.readouterr().err)
 
 
 def test_the_builtin_model_with_four_heads_splits_over_tp_and_sp(tmp_path):

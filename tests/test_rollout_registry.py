@@ -82,7 +82,7 @@ def test_capabilities_are_declared_by_each_backend(name, numerics, owns, shares,
     b = ROLLOUT_BACKENDS.get(name)
     assert (b.trainer_numerics, b.owns_memory, b.shares_actor_weights, b.joins_process_group,
             b.takes_weight_updates) == (numerics, owns, shares, joins, updates)
-    assert b.multi_turn and not b.tensor_parallel
+    assert b.multi_turn and b.ranks_per_engine(load_cli_config([])) == 1
 
 
 def _refusal(*overrides: str) -> str:

@@ -143,12 +143,12 @@ def test_grpo_trains_with_the_vllm_backend(one_worker_grpo):
     assert history[-1]["timing/weight_sync_s"] > 0
 
 
-def _two_worker_grpo(rank: int, world: int, run_dir: str) -> list[dict]:
+def _two_worker_grpo(rank: int, world: int, run_dir: str, *overrides: str) -> list[dict]:
     from dagrl.runtime.process import run_worker_from_env
 
     return run_worker_from_env(load_config(Config, None, [
         f"trainer.run_dir={run_dir}", "trainer.torch_threads=1", f"trainer.n_workers={world}",
-        *GRPO_RUN]))
+        *GRPO_RUN, *overrides]))
 
 
 def test_two_workers_with_their_own_engines_reproduce_one_worker(one_worker_grpo, tmp_path):
@@ -162,6 +162,22 @@ def test_two_workers_with_their_own_engines_reproduce_one_worker(one_worker_grpo
         for key in COMPARED:
             assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), (a["step"], key)
         assert a["actor/rollout_logprob_gap"] <= 0.02
+
+
+def test_one_engine_sharded_over_two_workers_reproduces_one_worker(one_worker_grpo, tmp_path):
+    # rollout.vllm.tensor_parallel_size=2: both workers hold all of the step's prompts (the
+    # rollout layout) and drive one engine, each holding half of it; the trainer's layout is
+    # sharded again. The tp engine's greedy outputs equal the one-device model's
+    # (tests/test_vllm_tp.py), and its sampled tokens the tp 1 engine's: the same run.
+    _, one = one_worker_grpo
+    two = run_distributed(_two_worker_grpo, 2, str(tmp_path / "tp2"),
+                          "rollout.vllm.tensor_parallel_size=2", timeout=600)[0]
+    assert len(two) == len(one)
+    for a, b in zip(two, one, strict=True):
+        for key in COMPARED:
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), (a["step"], key)
+        assert a["actor/rollout_logprob_gap"] <= 0.02
+    assert two[-1]["reward/mean"] - two[0]["reward/mean"] >= 0.1   # it learns
 
 
 @pytest.fixture(scope="module")

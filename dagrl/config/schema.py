@@ -123,8 +123,9 @@ class VLLMConfig:
     enable_prefix_caching: bool = True
     # Longest sequence vLLM plans for; 0: data.max_prompt_length + rollout.max_new_tokens.
     max_model_len: int = 0
-    # vLLM's own tensor parallelism: designed (docs/architecture.md), not built; values > 1
-    # are refused when the engine starts (on the CPU vLLM engines run one per worker).
+    # vLLM's own tensor parallelism: each engine sharded over this many consecutive workers
+    # (a rollout replica, every rank of it holding the replica's prompts); trainer.n_workers
+    # must be a multiple of it. 1: an engine per worker.
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:

@@ -86,9 +86,25 @@ def plan_with_sides(cfg: Config, world_size: int
                          f"the async trainer side's {len(model_ranks)} rank(s) "
                          f"{list(model_ranks)}: use more workers (trainer.n_workers >= "
                          f"{2 * group}) or trainer.mode=sync")
+    generates = frozenset(name for name in ROLES if "rollout" in ROLES.get(name).engines)
     plans = make_plan(graph, order, world_size, trains, group=group, model_roles=models,
-                      model_ranks=model_ranks, sizes=plan_sizes(cfg, graph, order))
+                      model_ranks=model_ranks, rollout_roles=generates,
+                      rollout_group=rollout_ranks_per_engine(cfg, graph, world_size),
+                      sizes=plan_sizes(cfg, graph, order))
     return graph, order, plans, sides
+
+
+def rollout_ranks_per_engine(cfg: Config, graph: GraphSpec, world_size: int) -> int:
+    """The ranks each rollout engine spans (its backend's `ranks_per_engine`); every policy that
+    generates must agree, since its rollout nodes share the step's one batch layout."""
+    models = sorted({node.model for node in graph.nodes})
+    spans = {m: rollout_backend(model_config(cfg, m)).ranks_per_engine(model_config(cfg, m))
+             for m in models}
+    if len(set(spans.values())) > 1:
+        raise GraphError("every policy's rollout engine must span the same number of ranks "
+                         "(rollout tensor parallelism; the rollout nodes share one batch "
+                         f"layout), got {spans}")
+    return next(iter(spans.values()))
 
 
 # The per-sample tensor fields of a step's prompts (data/dataset.py), as roles declare theirs.

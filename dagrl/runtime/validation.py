@@ -36,19 +36,23 @@ VAL_SEED_STEP = 0
 
 
 class Validator:
-    """Rows r, r + W, r + 2W, ... of `data.val_files` belong to rank r."""
+    """Rows r, r + W, r + 2W, ... of `data.val_files` belong to rank r. Under rollout tensor
+    parallelism (an engine over `ranks_per_engine` consecutive ranks) they belong to replica r,
+    whose ranks all generate them together and whose first rank counts them."""
 
     def __init__(self, cfg: Config, source: ParquetPrompts, engines: Engines, rank: int,
-                 world_size: int, device: torch.device) -> None:
+                 world_size: int, device: torch.device, *, ranks_per_engine: int = 1) -> None:
         if engines.rollout is None or engines.reward_manager is None:
             raise ValueError("validation needs the rollout engine and the reward manager")
         d = cfg.data
+        shard, shards = rank // ranks_per_engine, world_size // ranks_per_engine
         # Only its tokenization is used (`batch_of_rows`); the batch settings do not matter.
-        self.loader = PromptLoader(source, engines.tokenizer, batch_size=world_size, rank=rank,
-                                   world_size=world_size, shuffle=False, tail="pad",
+        self.loader = PromptLoader(source, engines.tokenizer, batch_size=shards, rank=shard,
+                                   world_size=shards, shuffle=False, tail="pad",
                                    max_prompt_length=d.max_prompt_length,
                                    truncation=d.truncation)
-        self.rows = np.arange(len(source))[rank::world_size]
+        self.rows = np.arange(len(source))[shard::shards]
+        self.counts = rank % ranks_per_engine == 0
         self.cfg, self.engines, self.device = cfg, engines, device
         self.keep = cfg.logging.val_generations if rank == 0 else 0
         self.samples: list[dict] = []     # the last run's first `keep` samples
@@ -64,7 +68,8 @@ class Validator:
             self._score_rows(self.rows[i:i + chunk], n, metrics)
         metrics.add_max("timing/validation_s", time.perf_counter() - start)
         metrics.add_sum("val/samples", len(self.rows) * n)
-        return metrics
+        # A replica's other ranks computed the same numbers: they count once.
+        return metrics if self.counts else StepMetrics()
 
     def _score_rows(self, rows: np.ndarray, n: int, metrics: StepMetrics) -> None:
         r = self.cfg.rollout

@@ -66,7 +66,7 @@ from dagrl.roles.registry import ROLES, NodeContext
 from dagrl.rollout import rollout_backend
 from dagrl.rollout.versioned import VersionedRollout
 from dagrl.runtime.checkpoint import Checkpointer, CheckpointError
-from dagrl.runtime.distributed import DistContext, create_layout_groups
+from dagrl.runtime.distributed import DistContext, create_layout_groups, position_in_replica
 from dagrl.runtime.failures import append_run_log
 from dagrl.runtime.preflight import check_cpu_threads, check_mixed_precision, check_prompts
 from dagrl.runtime.sides import Placement, place
@@ -140,7 +140,9 @@ class Worker(CheckpointedWorker):
             self.log(f"data: {self.loader.dropped_per_epoch} prompt(s) per epoch do not fill a "
                      f"batch of {cfg.data.train_batch_size} and are dropped (data.tail=drop)")
         self.validator = (Validator(cfg, val_source, self.engines, self.side.index,
-                                    self.side.size, self.device) if validates else None)
+                                    self.side.size, self.device,
+                                    ranks_per_engine=rollout_backend(cfg).ranks_per_engine(cfg))
+                          if validates else None)
         self.checkpoint_root = Path(t.checkpoint_dir or self.run_dir / "checkpoints")
         # The ranks that hold the trained models checkpoint them (async: the trainer side).
         trainers = self.side if self.placement.trains else self.placement.peer
@@ -322,10 +324,9 @@ class Worker(CheckpointedWorker):
         batch = self.run_tasks(self.tasks, batch, step, metrics)
         self.observer.profiler.end_step(step)
         if self.placement.trains:
-            replicated = self.tasks and self.tasks[-1].group > 1
             # A replica's samples count once, not on each of its ranks.
             metrics.add_sum("batch/samples", len(batch)
-                            if not replicated or self.dist.is_replica_leader else 0)
+                            if not self.tasks or self._leads(self.tasks[-1]) else 0)
         return self.sink.finish(step, batch, metrics, time.perf_counter() - began)
 
     def run_tasks(self, tasks: tuple[Task, ...], batch: Batch, step: int,
@@ -342,7 +343,7 @@ class Worker(CheckpointedWorker):
                 elif task.kind == "replicate":
                     batch = self._replicate(batch, task)
                 elif task.kind == "unreplicate":
-                    batch = from_replicas(batch, task.group, self.dist.rank_in_replica)
+                    batch = from_replicas(batch, task.group, self._position(task))
                 elif task.kind == "balance" and task.group > 1:
                     batch = self._rebalance_replicas(batch, task)
                 elif task.kind == "balance":
@@ -361,7 +362,7 @@ class Worker(CheckpointedWorker):
                     release_freed_memory()
             if not task.model:   # FLOPs are counted for the main policy's model only
                 self.observer.count_flops(task, batch, sink)
-            if sink is not metrics and self.dist.is_replica_leader:
+            if sink is not metrics and self._leads(task):
                 metrics.merge(sink)
             most = max(most, len(batch))
         # The most samples this rank held at any point: no rank should ever hold the global batch.
@@ -371,7 +372,8 @@ class Worker(CheckpointedWorker):
     def _replicate(self, batch: Batch, task: Task) -> Batch:
         """Into the training layout over task.dst (data/replicas.py); remembers what each
         replica got, so a balance before the update can tell whether anything changed since."""
-        batch = to_replicas(batch, task.group, self.dist.replica_group,
+        batch = to_replicas(batch, task.group,
+                            self.dist.replicas_of(task.dst, task.group).replica_group,
                             self.dist.group_for(task.dst), device=self.device)
         self._replicated = _fingerprint(batch)
         return batch
@@ -384,7 +386,16 @@ class Worker(CheckpointedWorker):
         dist.all_reduce(changed, op=dist.ReduceOp.MAX, group=self.side.cpu_group)
         if not changed.item():
             return batch
-        return self._replicate(from_replicas(batch, task.group, self.dist.rank_in_replica), task)
+        return self._replicate(from_replicas(batch, task.group, self._position(task)), task)
+
+    def _position(self, task: Task) -> int:
+        """This rank's position in its replica of the layout `task` runs in (0: sharded)."""
+        return position_in_replica(self.rank, task.dst, task.group)
+
+    def _leads(self, task: Task) -> bool:
+        """Whether this rank's node metrics and samples count in the layout `task` runs in:
+        the ranks of a replica compute the same numbers, the first one's count."""
+        return task.group == 1 or self._position(task) == 0
 
     def node_context(self, task: Task, step: int, metrics: StepMetrics,
                      upstream: tuple[Task, ...],
@@ -395,7 +406,8 @@ class Worker(CheckpointedWorker):
         again = metrics if step_metrics is None else step_metrics
         # In the training layout a sum over the replicas counts each sample once: over the
         # ranks at this rank's position in every replica.
-        group = self.dist.peer_group if task.group > 1 else self.dist.group_for(task.dst)
+        group = (self.dist.replicas_of(task.dst, task.group).peer_group if task.group > 1
+                 else self.dist.group_for(task.dst))
         m = task.model
         return NodeContext(model_config(self.cfg, m), self.graph.node(task.node_id), step,
                            self.rank, self.world_size,
