@@ -23,6 +23,7 @@ from dagrl.data.batch import Batch, response_attention
 from dagrl.engines.forward import batch_logprob_stats, response_logprobs
 from dagrl.engines.layout import EngineLayout
 from dagrl.engines.lora import is_lora, lora_scalings, merged_weights
+from dagrl.engines.rollout_shards import RolloutShard, gather_rollout_shards
 from dagrl.engines.train_engine import TrainEngine, token_mean
 from dagrl.engines.weight_sync import gather_full_weights
 from dagrl.observe.metrics import StepMetrics
@@ -123,6 +124,14 @@ class ActorEngine(TrainEngine):
         if is_lora(self.model):
             return merged_weights(weights, lora_scalings(self.model))
         return weights
+
+    def rollout_weights(self, shard: RolloutShard | None) -> Iterator[tuple[str, torch.Tensor]]:
+        """What a rollout engine reads: the full weights, or with a tensor-parallel engine
+        (`shard`) each rank's blocks only (engines/rollout_shards.py). Under LoRA the merge
+        needs whole adapters: full weights."""
+        if shard is None or is_lora(self.model):
+            return self.full_weights()
+        return gather_rollout_shards(self.model, shard)
 
 
 def policy_loss_params(algo: AlgorithmConfig) -> PolicyLossParams:

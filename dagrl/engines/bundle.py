@@ -116,7 +116,8 @@ class Engines:
             sink.weights_version = self.actor.version
             return 0.0
         start = time.perf_counter()
-        weights = self.actor.full_weights()
+        # A tensor-parallel engine names the blocks its rank reads (VLLMRollout.weight_shard).
+        weights = self.actor.rollout_weights(getattr(sink, "weight_shard", None))
         if sink is not None:
             sink.update_weights(weights, self.actor.version)
         else:

@@ -144,8 +144,10 @@ def _gather_flat(pieces: list[torch.Tensor], counts: list[list[int]],
     return out
 
 
-def _gather_bucket(bucket: list[tuple[str, torch.Tensor]], base: int,
-                   tensor_parallel: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _gather_bucket(bucket: list[tuple[str, torch.Tensor]], base: int, tensor_parallel: bool,
+                   *, slices_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole parameter) of each in `bucket`; `slices_only`: of tensor-parallel ones,
+    this rank's tp slice (the first step alone: rollout_shards.py)."""
     mesh = bucket[0][1].device_mesh
     # The ranks FSDP2 shards the rows over: mesh dim `base` (under HSDP the shard group: each
     # group holds a whole copy, so the gather never leaves it); the tp slices: dim base + 1.
@@ -177,7 +179,7 @@ def _gather_bucket(bucket: list[tuple[str, torch.Tensor]], base: int,
                                                                         strict=True)]
     else:
         mine = [t.view(s[tp_rank]) for t, s in zip(local, slices, strict=True)]
-    if not tensor_parallel:
+    if not tensor_parallel or slices_only:
         for (name, _), full in zip(bucket, mine, strict=True):
             yield name, full
         return

@@ -45,6 +45,7 @@ import torch.distributed as dist
 from dagrl.config.loader import ConfigError
 from dagrl.config.schema import Config
 from dagrl.device import is_host
+from dagrl.engines.rollout_shards import RolloutShard
 from dagrl.extras import MissingExtraError
 from dagrl.rollout.base import (
     GenerationOutput,
@@ -127,6 +128,13 @@ def _keep_cpu_linear_weights() -> None:
 
     keep_weights.keeps_weights = True
     layer_utils.dispatch_cpu_unquantized_gemm = keep_weights
+
+
+def _kv_heads(model_path: str) -> int:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True).get_text_config()
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def _check_cpu_head_size(model_path: str) -> None:
@@ -278,6 +286,10 @@ class VLLMRollout(RolloutBackend):
             **host_options, **_executor_options())
         if is_host(device):
             _release_cpu_shm(settings.tensor_parallel_size)
+        # Sharded over several ranks: each reads only its blocks of a weight update.
+        self.weight_shard = (RolloutShard(settings.tensor_parallel_size,
+                                          _kv_heads(settings.model_path))
+                             if settings.tensor_parallel_size > 1 else None)
         self._vllm = vllm
 
     def _sampling_params(self, params: SamplingParams, seed: int, max_new_tokens: int,
