@@ -22,7 +22,14 @@ from dagrl.config.schema import ActorConfig, AlgorithmConfig, RolloutCorrectionC
 from dagrl.data.batch import Batch, response_attention
 from dagrl.engines.forward import batch_logprob_stats, response_logprobs
 from dagrl.engines.layout import EngineLayout
-from dagrl.engines.lora import is_lora, lora_scalings, merged_weights
+from dagrl.engines.lora import (
+    adapter_config,
+    adapter_tensors,
+    is_adapter,
+    is_lora,
+    lora_scalings,
+    merged_weights,
+)
 from dagrl.engines.rollout_shards import RolloutShard, gather_rollout_shards
 from dagrl.engines.train_engine import TrainEngine, token_mean
 from dagrl.engines.weight_sync import gather_full_weights
@@ -124,6 +131,20 @@ class ActorEngine(TrainEngine):
         if is_lora(self.model):
             return merged_weights(weights, lora_scalings(self.model))
         return weights
+
+    @property
+    def is_lora(self) -> bool:
+        return is_lora(self.model)
+
+    def adapter_config(self) -> dict:
+        """peft's adapter_config.json of the actor's adapters."""
+        return adapter_config(self.model)
+
+    def adapter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The LoRA adapters alone, gathered from the shards, under peft's saved names (what a
+        rollout engine that applies adapters itself takes); a collective over the actor's
+        ranks."""
+        return adapter_tensors(gather_full_weights(self.model, select=is_adapter))
 
     def rollout_weights(self, shard: RolloutShard | None) -> Iterator[tuple[str, torch.Tensor]]:
         """What a rollout engine reads: the full weights, or with a tensor-parallel engine

@@ -76,6 +76,7 @@ class Engines:
     kl_controller: FixedKLController | AdaptiveKLController | None = None
     log: Callable[[str], None] = field(default=print)
     synced_version: int = 0   # the actor version the rollout engines hold (the same on every rank)
+    synced_bytes: int = 0     # bytes the last sync handed this rank's rollout engine
     # Where the actor's new weights go after an update: this worker's rollout engine (None), or
     # a channel to the rollout ranks of an async run (engines/weight_channel.WeightSender).
     weight_sink: object | None = None
@@ -114,16 +115,40 @@ class Engines:
     def _load_weights(self, sink) -> float:
         if getattr(sink, "shared", False):   # generates with the actor's own weights
             sink.weights_version = self.actor.version
+            self.synced_bytes = 0
             return 0.0
         start = time.perf_counter()
-        # A tensor-parallel engine names the blocks its rank reads (VLLMRollout.weight_shard).
-        weights = self.actor.rollout_weights(getattr(sink, "weight_shard", None))
-        if sink is not None:
-            sink.update_weights(weights, self.actor.version)
+        counted = _Counted()
+        if self.actor.is_lora and getattr(sink, "takes_adapters", False):
+            # An engine that applies LoRA adapters itself takes them alone, not merged weights.
+            sink.update_adapter(counted(self.actor.adapter_weights()),
+                                self.actor.adapter_config(), self.actor.version)
         else:
-            for _ in weights:   # still take part in every all-gather
-                pass
+            # A tensor-parallel engine names the blocks its rank reads (weight_shard).
+            shard = getattr(sink, "weight_shard", None)
+            weights = counted(self.actor.rollout_weights(shard), shard)
+            if sink is not None:
+                sink.update_weights(weights, self.actor.version)
+            else:
+                for _ in weights:   # still take part in every all-gather
+                    pass
+        self.synced_bytes = counted.bytes
         return time.perf_counter() - start
+
+
+class _Counted:
+    """Counts the bytes of the (name, tensor) pairs handed on (with a tensor-parallel rollout
+    engine's `shard`: the blocks its rank reads, not the whole-shaped tensors carrying them)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+    def __call__(self, named, shard=None):
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        for name, tensor in named:
+            region = shard.block(name, tuple(tensor.shape), rank) if shard else ()
+            self.bytes += tensor[region].numel() * tensor.element_size()
+            yield name, tensor
 
 
 def build_engines(cfg: Config, needed: set[str], device: torch.device, *,

@@ -104,6 +104,29 @@ def _lora_part(name: str) -> tuple[str, str] | None:
     return None
 
 
+def is_adapter(name: str) -> bool:
+    """Whether a peft parameter is one of the adapters' A or B matrices."""
+    part = _lora_part(name)
+    return part is not None and part[1] != "W"
+
+
+def adapter_tensors(named: Iterator[tuple[str, torch.Tensor]]
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The adapters' (name, tensor) as peft saves them (adapter_model.safetensors: the
+    adapter's name dropped, base_model.model.<module>.lora_A.weight), from the peft model's
+    gathered A and B matrices."""
+    for name, tensor in named:
+        yield name.replace(".lora_A.default.", ".lora_A.").replace(
+            ".lora_B.default.", ".lora_B."), tensor
+
+
+def adapter_config(model: torch.nn.Module) -> dict:
+    """peft's adapter_config.json of `model`, as a dict."""
+    config = model.peft_config["default"].to_dict()
+    # sets (peft's target_modules after it resolved `all-linear`) are not JSON
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+
+
 @torch.no_grad()
 def merged_weights(named: Iterator[tuple[str, torch.Tensor]],
                    scalings: dict[str, float]) -> Iterator[tuple[str, torch.Tensor]]:

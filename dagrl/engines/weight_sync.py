@@ -26,7 +26,7 @@ fewer rows or none; tensor parallelism splits its dim (0 or 1) the same way.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -83,15 +83,17 @@ def _buckets(params: list[tuple[str, torch.Tensor]], limit: int):
 
 
 @torch.no_grad()
-def gather_full_weights(model: torch.nn.Module,
-                        bucket_bytes: int = BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) for every parameter of `model`: whole ones first, then bucket by
-    bucket (tensor-parallel and replicated parameters in separate buckets, each in
-    `named_parameters` order). A collective over the model's mesh: every rank must consume
-    the iterator. Under HSDP each shard group holds a whole copy: the gathers stay inside the
-    rank's group, never across the replicas."""
+def gather_full_weights(model: torch.nn.Module, bucket_bytes: int = BUCKET_BYTES,
+                        select: Callable[[str], bool] | None = None
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) for every parameter of `model` (those whose name `select` takes):
+    whole ones first, then bucket by bucket (tensor-parallel and replicated parameters in
+    separate buckets, each in `named_parameters` order). A collective over the model's mesh:
+    every rank must consume the iterator. Under HSDP each shard group holds a whole copy: the
+    gathers stay inside the rank's group, never across the replicas."""
     _reshard(model)
-    params = list(model.named_parameters())
+    params = [(name, p) for name, p in model.named_parameters()
+              if select is None or select(name)]
     # Buckets by (kind, base): "dp" (FSDP2 rows over mesh dim base; parameters tp replicates
     # too), "tp" (rows of a tp slice over dim base, then the slices over dim base + 1).
     kinds: dict[tuple[str, int], list[tuple[str, torch.Tensor]]] = {}

@@ -20,4 +20,5 @@ def actor_update(ctx: NodeContext, batch: Batch) -> Batch:
     ctx.engines.actor.update(batch, ctx.metrics)
     # New weights go to the rollout engine now, while every actor rank is here to gather.
     ctx.metrics.add_max("timing/weight_sync_s", ctx.engines.sync_rollout_weights())
+    ctx.metrics.add_max("weight_sync/bytes", float(ctx.engines.synced_bytes))
     return batch

@@ -74,6 +74,7 @@ class VLLMSettings:
     cpu_kv_cache_gb: float
     enable_prefix_caching: bool
     tensor_parallel_size: int = 1
+    lora_rank: int = 0   # actor.lora.rank: the engine applies the trained adapters itself
 
     @classmethod
     def from_config(cls, cfg: Config) -> VLLMSettings:
@@ -84,7 +85,8 @@ class VLLMSettings:
                    seed=cfg.trainer.seed, gpu_memory_utilization=v.gpu_memory_utilization,
                    cpu_kv_cache_gb=v.cpu_kv_cache_gb,
                    enable_prefix_caching=v.enable_prefix_caching,
-                   tensor_parallel_size=v.tensor_parallel_size)
+                   tensor_parallel_size=v.tensor_parallel_size,
+                   lora_rank=cfg.actor.lora.rank)
 
 
 class WeightSyncExtension:
@@ -275,6 +277,13 @@ class VLLMRollout(RolloutBackend):
         self.pad_token_id = pad_token_id
         self.stop_token_ids = stop_tokens(eos_token_id, stop_token_ids)
         self.weights_version = 0
+        # A LoRA actor: its adapters go to vLLM's LoRA support (`update_adapter`), the frozen
+        # base weights stay as loaded from model.path.
+        self.takes_adapters = settings.lora_rank > 0
+        self._adapter: _Adapter | None = None
+        if self.takes_adapters:
+            host_options.update(enable_lora=True, max_loras=1,
+                                max_lora_rank=_vllm_lora_rank(settings.lora_rank))
         self.llm = vllm.LLM(
             model=settings.model_path, dtype=settings.dtype, seed=settings.seed,
             max_model_len=settings.max_model_len, enforce_eager=True,
@@ -307,8 +316,9 @@ class VLLMRollout(RolloutBackend):
         prompts = [{"prompt_token_ids": p} for p in unpadded_prompts(prompt_ids, prompt_mask)]
         sampling = [self._sampling_params(params, int(s), max_new_tokens, min_new_tokens)
                     for s in sample_seed.cpu().tolist()]
-        completions = [out.outputs[0]
-                       for out in self.llm.generate(prompts, sampling, use_tqdm=False)]
+        lora = self._adapter.request if self._adapter is not None else None
+        completions = [out.outputs[0] for out in self.llm.generate(
+            prompts, sampling, use_tqdm=False, lora_request=lora)]
         tokens = [list(c.token_ids) for c in completions]
         # One {token: Logprob} per position; with logprobs=0 it holds the sampled token.
         logprobs = [[step[tok].logprob for tok, step in zip(ids, c.logprobs, strict=False)]
@@ -322,6 +332,65 @@ class VLLMRollout(RolloutBackend):
         # Cached prefixes hold keys and values computed with the old weights.
         self.llm.reset_prefix_cache()
         self.weights_version = version
+
+    def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
+                       config: dict, version: int) -> None:
+        """A LoRA actor's new adapters (peft's saved names and adapter_config.json): written
+        as a peft adapter directory, loaded by vLLM under a new id (its cache keys prefixes
+        by adapter, so nothing cached is reused across versions), the previous one unloaded
+        and every file removed once loaded."""
+        adapter = _Adapter.write(named_tensors, config, version)
+        try:
+            self.llm.llm_engine.add_lora(adapter.request)
+        finally:
+            adapter.remove_files()
+        if self._adapter is not None:
+            self.llm.llm_engine.remove_lora(self._adapter.request.lora_int_id)
+        self._adapter = adapter
+        self.weights_version = version
+
+
+# vLLM's engine plans its LoRA buffers for one of these ranks.
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _vllm_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM plans for that holds actor.lora.rank."""
+    for allowed in _VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise ConfigError(f"actor.lora.rank={rank}: vLLM's LoRA support goes up to rank "
+                      f"{_VLLM_LORA_RANKS[-1]}")
+
+
+@dataclass
+class _Adapter:
+    """One version of the actor's adapters as vLLM loads them: a peft directory on local
+    shared memory (or the temp dir) and the request naming it."""
+    request: object
+    path: Path
+
+    @classmethod
+    def write(cls, named_tensors: Iterable[tuple[str, torch.Tensor]], config: dict,
+              version: int) -> _Adapter:
+        import json
+        import tempfile
+
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        shm = Path("/dev/shm")
+        path = Path(tempfile.mkdtemp(prefix="dagrl-lora-", dir=shm if shm.is_dir() else None))
+        tensors = {name: t.detach().contiguous() for name, t in named_tensors}
+        save_file(tensors, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps(config))
+        # Ids start at 1 (0 is "no adapter" to vLLM); one per version.
+        return cls(LoRARequest(f"dagrl-v{version}", version + 1, str(path)), path)
+
+    def remove_files(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.path, ignore_errors=True)
 
 
 # Imported by vLLM's worker as its extension (a `vllm serve` started with
