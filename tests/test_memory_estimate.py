@@ -138,3 +138,24 @@ def test_the_critic_is_counted_where_the_graph_trains_one(capsys):
     assert "critic AdamW state" in capsys.readouterr().out
     assert main(["plan", "--memory"]) == 0          # GRPO: no critic
     assert "critic" not in capsys.readouterr().out.split("memory per rank:")[1]
+
+
+def test_the_vllm_engines_copy_and_pool_are_counted_per_rollout_layout():
+    """vLLM holds its own copy of the weights (on the host twice: plain and packed) and a KV
+    pool of rollout.vllm.cpu_kv_cache_gb; at tensor_parallel_size 2 each rank holds half of
+    every split weight. A server holds nothing on the worker."""
+    from dagrl.engines.memory_estimate import held_bytes
+    from dagrl.engines.model_build import meta_model
+
+    one = _lines("rollout.backend=vllm", "trainer.n_workers=2", "data.train_batch_size=32")
+    two = _lines("rollout.backend=vllm", "trainer.n_workers=2", "data.train_batch_size=32",
+                 "rollout.vllm.tensor_parallel_size=2", "rollout.vllm.cpu_kv_cache_gb=0.5")
+    cfg = load_config(Config, None, [])
+    config = model_shape(cfg).config
+    whole = held_bytes(meta_model(config, "float32"), 1).bytes
+    assert one["rollout weights"] == 2 * whole
+    assert two["rollout weights"] == 2 * held_bytes(meta_model(config, "float32"), 1, 2).bytes
+    assert whole < two["rollout weights"] < one["rollout weights"]
+    assert one["KV cache"] == 2**30 and two["KV cache"] == 2**29
+    server = _lines("rollout.backend=server", "rollout.server.urls=[http://127.0.0.1:1]")
+    assert server["rollout weights"] == 0 and server["KV cache"] == 0

@@ -18,9 +18,10 @@ dp x sp on the mesh; uneven shards differ from this average by under a row per p
     reference weights  a model of its own (0 under LoRA: the actor with adapters off;
                        linears in bfloat16 under mixed precision)
     critic             weights, gradients, AdamW state of the value model (PPO)
-    rollout weights    layout.rollout_copy: 0 when shared with the actor or held by an
-                       external engine (vLLM, servers), the adapted linears only (LoRA, one
-                       worker), else the whole model in the rollout dtype
+    rollout weights    layout.rollout_copy: 0 when shared with the actor or held outside the
+                       worker (servers), the adapted linears only (LoRA, one worker), vLLM's
+                       copy in the rollout dtype split over its tensor parallelism (its
+                       backend's `engine_memory`), else the whole model in the rollout dtype
 
 trainer.mode=async: the trained states are the trainer side's, the rollout copy and KV cache
 the rollout side's, the reference where its node runs; the peak then adds both sides.
@@ -48,8 +49,9 @@ With actor/ref/critic.offload on an accelerator those shards count 0 on the devi
 bytes are named in the line's note: they are in host memory).
 
 Not counted: the allocator's fragmentation and the Python/torch runtime (the estimate reports
-this process's RSS after importing them as a line of its own). vLLM and server rollouts hold
-their own memory (rollout.vllm.gpu_memory_utilization).
+this process's RSS after importing them as a line of its own). vLLM's KV cache is its pool:
+rollout.vllm.cpu_kv_cache_gb on the host; on accelerators what gpu_memory_utilization of the
+device leaves after its weights (the line says so, counting 0). Servers hold their own.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ from dagrl.engines.models import (
 from dagrl.engines.tensor_parallel import split_dims
 from dagrl.engines.tiny_reward_model import NAME as TINY_RM
 from dagrl.engines.tiny_reward_model import tiny_digit_rm_config
+from dagrl.rollout import rollout_backend
 
 GiB = 2**30
 
@@ -250,7 +253,7 @@ def estimate_memory(cfg: Config, shape: ModelShape, *, has_ref: bool = True,
         critic = _config_at(cfg.critic.path, "") if cfg.critic.path else config
         lines += _critic_lines(critic, layout)
     lines = _offloaded(lines, layout, ref_layout)
-    lines.append(_rollout_line(config, rollout_layout, actor))
+    lines.append(_rollout_line(cfg, config, rollout_layout, actor))
     lines += _transient_lines(cfg, shape, layout, rollout_layout, held)
     if layout.side == "all":
         return lines
@@ -330,11 +333,23 @@ def _offload_key(line: str) -> str:
     return next(model for model, names in OFFLOADED_LINES.items() if line in names)
 
 
-def _rollout_line(config, layout: EngineLayout, actor: torch.nn.Module) -> MemoryLine:
-    """The rollout engine's own weights, as layout.rollout_copy says they are built."""
+def _rollout_line(cfg: Config, config, layout: EngineLayout,
+                  actor: torch.nn.Module) -> MemoryLine:
+    """The rollout engine's own weights, as layout.rollout_copy says they are built (an
+    external engine: as its backend says, e.g. vLLM's copy in this process, split over the
+    ranks of its tensor parallelism)."""
     kind = layout.rollout_copy
     if kind == "external":
-        return MemoryLine("rollout weights", 0, "held by the engine (not counted)")
+        backend = rollout_backend(cfg)
+        copies, _, where = backend.engine_memory(cfg, layout.device_type == HOST)
+        if not copies:
+            return MemoryLine("rollout weights", 0, where)
+        tp = backend.ranks_per_engine(cfg)
+        split = f", split over {tp} ranks (rollout tp)" if tp > 1 else ""
+        twice = " x 2 (plain and packed for the host's kernels)" if copies == 2 else ""
+        copy = held_bytes(meta_model(config, layout.rollout_dtype), 1, tp).bytes
+        return MemoryLine("rollout weights", copies * copy,
+                          f"the engine's copy in {layout.rollout_dtype}{split}{twice}")
     if kind == "shared":
         return MemoryLine("rollout weights", 0, "reads the actor's weights")
     if kind == "merged":   # lora.plain_copy: storage for W + s B A of each adapted linear only
@@ -358,8 +373,13 @@ def _transient_lines(cfg: Config, shape: ModelShape, layout: EngineLayout,
     rows = max(train_rows, val_rows) if cfg.trainer.val_every or cfg.trainer.val_before_train \
         else train_rows
     seq = d.max_prompt_length + r.max_new_tokens
-    kv = 0 if rollout_owns_memory(cfg) else kv_per_token * rows * seq
-    lines = [MemoryLine("KV cache", kv, f"{rows} rows x {seq} tokens", "rollout")]
+    if rollout_owns_memory(cfg):   # the engine's own pool
+        _, pool, where = rollout_backend(cfg).engine_memory(
+            cfg, rollout_layout.device_type == HOST)
+        lines = [MemoryLine("KV cache", pool or 0, where, "rollout")]
+    else:
+        lines = [MemoryLine("KV cache", kv_per_token * rows * seq,
+                            f"{rows} rows x {seq} tokens", "rollout")]
     lines.append(_activation_line(cfg, shape, layout, seq))
     if layout.mixed_precision != "none":
         # autocast keeps its bfloat16 casts of the trained weights for the forward (frozen

@@ -120,6 +120,13 @@ class RolloutBackend:
                               "backend cannot run the multi-turn agent loop")
 
     @classmethod
+    def engine_memory(cls, cfg: Config, on_host: bool) -> tuple[int, int | None, str]:
+        """With `owns_memory`, what its engine holds on each rank, for `dagrl plan --memory`:
+        (the copies of the weights it holds here, each split over `ranks_per_engine`; the
+        bytes of its KV cache pool, None where they depend on the device; a note)."""
+        return 0, 0, "held outside this worker"
+
+    @classmethod
     def ranks_per_engine(cls, cfg: Config) -> int:
         """The ranks one engine is sharded over (rollout tensor parallelism): the nodes that
         generate run on replicas of that many consecutive ranks, every rank of a replica

@@ -237,6 +237,16 @@ class VLLMRollout(RolloutBackend):
     # it is built: every rank must build one at the same point.
     joins_process_group = True
     @classmethod
+    def engine_memory(cls, cfg: Config, on_host: bool) -> tuple[int, int | None, str]:
+        v = cfg.rollout.vllm
+        if on_host:   # plain weights kept beside oneDNN's packed ones (module docstring)
+            return (2, int(v.cpu_kv_cache_gb * 2**30),
+                    "vLLM's pool (rollout.vllm.cpu_kv_cache_gb)")
+        # the pool is what gpu_memory_utilization of the device leaves after the weights
+        return 1, None, (f"vLLM's pool: rollout.vllm.gpu_memory_utilization="
+                         f"{v.gpu_memory_utilization} of the device, weights included")
+
+    @classmethod
     def ranks_per_engine(cls, cfg: Config) -> int:
         # vLLM shards its model over rollout.vllm.tensor_parallel_size ranks itself.
         return cfg.rollout.vllm.tensor_parallel_size
