@@ -19,8 +19,9 @@ def _sync(rank, world, model_dir, actor_tp, bucket_bytes):
     from dagrl.engines import rollout_shards
     from dagrl.engines.mesh import build_train_mesh, parallelize_model
     from dagrl.engines.models import load_model
-    from dagrl.engines.rollout_shards import RolloutShard, gather_rollout_shards
+    from dagrl.engines.rollout_shards import gather_rollout_shards
     from dagrl.engines.sharding import shard_model
+    from dagrl.rollout.shards import RolloutShard
 
     if actor_tp == 1:
         model = shard_model(load_model(model_dir), world, "cpu")

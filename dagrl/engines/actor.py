@@ -30,10 +30,11 @@ from dagrl.engines.lora import (
     lora_scalings,
     merged_weights,
 )
-from dagrl.engines.rollout_shards import RolloutShard, gather_rollout_shards
+from dagrl.engines.rollout_shards import gather_rollout_shards
 from dagrl.engines.train_engine import TrainEngine, token_mean
 from dagrl.engines.weight_sync import gather_full_weights
 from dagrl.observe.metrics import StepMetrics
+from dagrl.rollout.shards import RolloutShard
 
 
 class ActorEngine(TrainEngine):

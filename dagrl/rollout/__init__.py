@@ -10,7 +10,8 @@
 A backend is one class (a `RolloutBackend`, base.py), registered under its name with
 `@ROLLOUT_BACKENDS.register("name")` in its own module. It declares its capabilities as class
 attributes (`trainer_numerics`, `owns_memory`, `shares_actor_weights`, `joins_process_group`,
-`takes_weight_updates`, `multi_turn`, `tensor_parallel`), refuses what it cannot serve in
+`takes_weight_updates`, `multi_turn`; `ranks_per_engine` and `engine_memory` as class methods:
+rollout tensor parallelism and what `plan --memory` counts), refuses what it cannot serve in
 `check_config` (a `ConfigError` naming the key) and builds its engine in `from_config`. The rest
 of dagrl reads the declarations of `rollout_backend(cfg)`, never the name; a user's backend is
 one class in a module imported before the run (docs/extending.md).

