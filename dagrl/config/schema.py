@@ -138,7 +138,8 @@ class VLLMConfig:
 @dataclass
 class ServerConfig:
     """`rollout.backend=server` only (dagrl/rollout/server.py): OpenAI-compatible servers."""
-    # Base URLs, e.g. [http://127.0.0.1:8000]; requests are spread over them round-robin.
+    # Base URLs, e.g. [http://127.0.0.1:8000]; a request goes to the server holding the
+    # context it extends (an episode's earlier turn, its group's prompt), else the least loaded.
     urls: list[str] = field(default_factory=list)
     # The served model name; empty: the first one the server lists at /v1/models.
     model: str = ""

@@ -2,7 +2,10 @@
 `vllm serve`, SGLang), through their `/v1/completions` endpoint with token-id prompts.
 
 - Requests: one per sample (its `sample_seed` as the request seed), at most
-  `rollout.server.max_concurrency` in flight, spread round-robin over `rollout.server.urls`.
+  `rollout.server.max_concurrency` in flight, routed over `rollout.server.urls` by
+  `router.Router`: a context that extends one already sent (a multi-turn episode's next turn,
+  a GRPO group's next sample) goes to that server, whose prefix cache holds it; any other to
+  the server with the fewest requests in flight.
   A transient failure (connection refused or reset, a timeout, HTTP 429/5xx) is retried up to
   `max_retries` times with exponential backoff; anything else, or the last failure, is an
   error naming the URL.
@@ -26,7 +29,6 @@
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import tempfile
@@ -55,6 +57,7 @@ from dagrl.rollout.base import (
     unpadded_prompts,
 )
 from dagrl.rollout.registry import ROLLOUT_BACKENDS
+from dagrl.rollout.router import Router
 from dagrl.rollout.sampling import SamplingParams
 
 TRANSIENT_HTTP = {429, 500, 502, 503, 504}
@@ -155,6 +158,7 @@ class ServerRollout(RolloutBackend):
         self.weights_version = 0
         self.served_model = settings.model or self._served_model(settings.urls[0])
         self._pool = ThreadPoolExecutor(max_workers=settings.max_concurrency)
+        self.router = Router(settings.urls)
 
     def _served_model(self, url: str) -> str:
         """The first model the server lists (its `--served-model-name`)."""
@@ -184,12 +188,15 @@ class ServerRollout(RolloutBackend):
                               "log-probs in the reply (does it support return_token_ids?)")
         return ids, [float(x) for x in logprobs]
 
+    def _routed(self, prompt: list[int], *args) -> tuple[list[int], list[float]]:
+        with self.router.route(prompt) as url:
+            return self._request(url, prompt, *args)
+
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  sample_seed: torch.Tensor, params: SamplingParams, *, max_new_tokens: int,
                  min_new_tokens: int = 0) -> GenerationOutput:
         """One request per row: prompts [B, P] left-padded."""
-        urls = itertools.cycle(self.settings.urls)
-        futures = [self._pool.submit(self._request, next(urls), prompt, int(seed), params,
+        futures = [self._pool.submit(self._routed, prompt, int(seed), params,
                                      max_new_tokens, min_new_tokens)
                    for prompt, seed in zip(unpadded_prompts(prompt_ids, prompt_mask),
                                            sample_seed.cpu().tolist(), strict=True)]
@@ -214,6 +221,7 @@ class ServerRollout(RolloutBackend):
             self._push(weights, version)
         if distributed:   # no rank generates before every server holds the new version
             dist.barrier()
+        self.router.forget()   # the servers' prefix caches were reset
         self.weights_version = version
 
     def _push(self, weights: dict[str, torch.Tensor], version: int) -> None:
