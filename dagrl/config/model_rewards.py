@@ -64,8 +64,8 @@ class JudgeConfig:
     # the judge model (`vllm serve judge.path`), at judge.server_urls. judge.path still gives
     # the tokenizer (the prompts are sent as token ids).
     backend: Literal["auto", "native", "hf", "server"] = "auto"
-    # backend=server: the servers' base URLs (requests routed over them as the rollout's are) and the served
-    # model name (empty: the first one a server lists at /v1/models).
+    # backend=server: the servers' base URLs (requests routed over them as the rollout's
+    # are) and the served model name (empty: the first one a server lists at /v1/models).
     server_urls: list[str] = field(default_factory=list)
     server_model: str = ""
     template: str = DEFAULT_JUDGE_TEMPLATE
