@@ -352,3 +352,43 @@ def test_real_backends_record_the_log_probs_training_recomputes_over_the_whole_c
         responses[backend] = out.responses
     # native and hf draw the same tokens, turn by turn
     assert torch.equal(responses["native"], responses["hf"])
+
+
+class RankCalculator(SlowCalculator):
+    """The calculator, off by this rank's number (tools that answer differently on different
+    ranks: a clock, a timeout, a sandbox's state)."""
+
+    def __init__(self, rank: int):
+        super().__init__(0.0)
+        self.rank = rank
+
+    async def call(self, arguments):
+        return str(int(await super().call(arguments)) + self.rank)
+
+
+def _replica_episodes(rank: int, world: int) -> tuple[str, int, list[float]]:
+    import torch.distributed as dist
+
+    from dagrl.rollout.multi_turn import EngineReplica
+
+    tok = build_char_tokenizer()
+    cfg = MultiTurnConfig(enable=True, tools=["calculator"], format="tiny", max_turns=3)
+    tool = RankCalculator(rank)
+    loop = tiny_loop(tok, calculator_policy, cfg, tools={"calculator": tool})
+    loop.replica = EngineReplica(dist.group.WORLD, leader=0, leads=rank == 0)
+    out = loop.generate(rows("12*34+5", "1+2"), torch.tensor([7, 8]), SamplingParams(1.0), CPU)
+    n = int(out.attention_mask[0].sum())
+    return (tok.decode(out.responses[0, :n], skip_special_tokens=False), len(tool.calls),
+            out.tool_calls.tolist())
+
+
+def test_the_ranks_of_a_sharded_engine_take_the_first_ranks_tool_answers():
+    """Rollout tensor parallelism: both ranks must send the engine the same requests, so the
+    replica's first rank runs the tools and the other takes its answers (and runs none)."""
+    from tests.dist_helpers import run_distributed
+
+    (text0, calls0, counted0), (text1, calls1, counted1) = run_distributed(
+        _replica_episodes, 2)
+    assert text0 == text1 == "12*34+5=413 413<eos>"   # rank 1's own tool would say 414
+    assert (calls0, calls1) == (2, 0)
+    assert counted0 == counted1 == [1.0, 1.0]

@@ -101,3 +101,37 @@ def test_one_engine_sharded_over_two_workers_generates_as_one_device(tmp_path):
     for out in ranks:
         _assert_same(out["after"], _reference(model, model_dir, ids, mask))
     assert ranks[0]["before"]["responses"] != ranks[0]["after"]["responses"]
+
+
+AGENT_RUN = ["rollout.backend=vllm", "trainer.total_steps=3", "logging.progress_bar=false",
+             "logging.console_every=1000", "data.train_files=[builtin:tool-calc]",
+             "data.max_prompt_length=12", "rollout.n=4", "rollout.max_new_tokens=32",
+             "rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]",
+             "rollout.multi_turn.format=tiny", "rollout.multi_turn.max_turns=3",
+             "rollout.multi_turn.max_tokens_per_turn=12", "actor.lr=0.0005",
+             "actor.skip_on_policy_old_logprob=false", *SMALL_ENGINE]
+AGENT_COMPARED = ["reward/mean", "tools/calls_mean", "multi_turn/turns_mean",
+                  "response/length/mean", "actor/pg_loss"]
+
+
+def _agent_run(rank: int, world: int, run_dir: str, tp: int) -> list[dict]:
+    from dagrl.runtime.process import run_worker_from_env
+
+    return run_worker_from_env(load_config(Config, None, [
+        f"trainer.run_dir={run_dir}", "trainer.torch_threads=1", f"trainer.n_workers={world}",
+        f"rollout.vllm.tensor_parallel_size={tp}", *AGENT_RUN]))
+
+
+def test_agents_with_tools_on_a_sharded_engine_run_as_on_an_engine_per_worker(tmp_path):
+    """Multi-turn with a calculator tool: the engine's first rank runs the tools and hands its
+    answers to the other, so both send the engine the same requests; the run equals one with
+    an engine per worker."""
+    pytest.importorskip("vllm")
+    per_worker = run_distributed(_agent_run, 2, str(tmp_path / "tp1"), 1, timeout=600)[0]
+    sharded = run_distributed(_agent_run, 2, str(tmp_path / "tp2"), 2, timeout=600)[0]
+    assert len(sharded) == len(per_worker) == 3
+    assert sum(step["tools/calls_mean"] for step in sharded) > 0   # the tools did run
+    for a, b in zip(sharded, per_worker, strict=True):
+        for key in AGENT_COMPARED:
+            assert a[key] == pytest.approx(b[key], rel=1e-3, abs=1e-5), (a["step"], key)
+        assert a["actor/rollout_logprob_gap"] <= 0.02

@@ -53,7 +53,7 @@ from dagrl.engines.sharding import checkpoint_activations, compile_layers, shard
 from dagrl.envs import load_environment
 from dagrl.rewards.manager import RewardManager
 from dagrl.rollout import RolloutEngine, build_rollout, judge_rollout
-from dagrl.rollout.multi_turn import MultiTurnRollout
+from dagrl.rollout.multi_turn import EngineReplica, MultiTurnRollout
 from dagrl.rollout.sampling import logprob_temperature
 from dagrl.tools import load_tools
 
@@ -156,7 +156,8 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
                   tokenizer=None, dp_group: dist.ProcessGroup | None = None,
                   layout: EngineLayout | None = None, handed_prompts: bool = False,
                   hsdp_mesh: DeviceMesh | None = None,
-                  train_mesh: TrainMesh | None = None) -> Engines:
+                  train_mesh: TrainMesh | None = None,
+                  engine_replica: EngineReplica | None = None) -> Engines:
     """Build the engines in `needed` (names from dagrl.roles.registry.ENGINES) as `layout`
     places them (engines/layout.py; default: a sync run of `world_size` ranks); `dp_group`:
     the group of `layout.side_ranks` when not all of them (trainer.mode=async: this side's
@@ -165,7 +166,8 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
     extra model's, made by a handoff node), so data.max_prompt_length does not bound them.
     `hsdp_mesh` / `train_mesh`: an async trainer side's HSDP mesh or training mesh (tensor /
     sequence parallelism), made beforehand by every rank (sharding.hsdp_mesh,
-    mesh.build_train_mesh with the side's ranks)."""
+    mesh.build_train_mesh with the side's ranks). `engine_replica`: the ranks this rank drives
+    a tensor-parallel rollout engine with (the agent loop's answers are its first rank's)."""
     if layout is None:
         layout = EngineLayout.of(cfg, world_size, device_type=device.type)
     _prepare_host(cfg, layout, device)
@@ -178,7 +180,8 @@ def build_engines(cfg: Config, needed: set[str], device: torch.device, *,
     if "critic" in needed:
         engines.critic = build.critic()
     if "rollout" in needed:
-        engines.rollout, engines.agent = build.rollout(tokenizer, engines.actor, handed_prompts)
+        engines.rollout, engines.agent = build.rollout(tokenizer, engines.actor, handed_prompts,
+                                                       engine_replica)
     if "ref" in needed:
         engines.ref_model = build.reference(engines.actor)
     if "reward" in needed:
@@ -272,7 +275,8 @@ class _Build:
         return CriticEngine(self.shard(model, "critic"), cfg.critic, self.layout,
                             loss_agg_mode=cfg.algorithm.loss_agg_mode)
 
-    def rollout(self, tokenizer, actor: ActorEngine | None, handed_prompts: bool = False
+    def rollout(self, tokenizer, actor: ActorEngine | None, handed_prompts: bool = False,
+                replica: EngineReplica | None = None
                 ) -> tuple[RolloutEngine, MultiTurnRollout | None]:
         """The rollout engine (it starts from the actor's checkpoint: nothing to sync before the
         first update) and, with rollout.multi_turn, the agent loop over it (prompts as wide as
@@ -295,7 +299,8 @@ class _Build:
             engine, tokenizer, mt, tools=load_tools(mt.tools, mt),
             env_factory=load_environment(mt.environment) if mt.environment else None,
             prompt_width=None if handed_prompts else cfg.data.max_prompt_length,
-            response_width=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+            response_width=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
+            replica=replica)
 
     def rollout_copy(self, whole_actor: torch.nn.Module | None) -> torch.nn.Module:
         """The rollout engine's own weights (layout.rollout_copy): loaded in the rollout dtype,

@@ -28,6 +28,10 @@ thread is free while a turn's tool calls are in flight. The async rollout side u
 first turn it generates and whose first calls it sends, as soon as its weights are fresh enough
 for that step (runtime/streams.py); the next `generate` with the same sample seeds goes on from
 there. A long-tailed tool then delays one batch, not the rollout rank's whole pipeline.
+
+An engine sharded over several ranks (rollout tensor parallelism: `EngineReplica`) must get
+the same requests from each: the replica's first rank runs the tools and environments, and
+broadcasts each turn's answers (and what they counted) to the others, which run none.
 """
 
 from __future__ import annotations
@@ -75,6 +79,20 @@ class MultiTurnOutput:
     first_error: str = ""          # one failed call's message, for the log
     token_versions: torch.Tensor | None = None   # [B, R] int64, see the module docstring
     started_ahead: bool = False   # its first turn came during the previous batch's tool wait
+
+
+@dataclass(frozen=True)
+class EngineReplica:
+    """The ranks that drive one engine together (rollout tensor parallelism): they must send it
+    the same requests, so one answer per turn must be theirs. Its first rank (`leader`, a
+    global rank) runs the tools and environments; the others take its answers over `group`."""
+    group: object            # torch.distributed.ProcessGroup of the replica's ranks
+    leader: int
+    leads: bool
+
+
+# A follower's answers: what the leader broadcasts when they are read.
+_FROM_LEADER: Future = Future()
 
 
 @dataclass
@@ -156,8 +174,10 @@ class MultiTurnRollout:
 
     def __init__(self, engine: RolloutEngine, tokenizer, cfg: MultiTurnConfig, *,
                  tools: dict[str, Tool], env_factory: Callable[[], Environment] | None,
-                 prompt_width: int | None, response_width: int, pad_token_id: int) -> None:
+                 prompt_width: int | None, response_width: int, pad_token_id: int,
+                 replica: EngineReplica | None = None) -> None:
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
+        self.replica = replica
         self.tools, self.env_factory = tools, env_factory
         self.prompt_width, self.response_width = prompt_width, response_width
         self.pad_token_id = pad_token_id
@@ -224,6 +244,9 @@ class MultiTurnRollout:
         if run.turn >= self.cfg.max_turns or not run.live:
             return
         self._policy_turn(run)
+        if self.replica is not None and not self.replica.leads:
+            run.answers = _FROM_LEADER
+            return
         last_turn = run.turn == self.cfg.max_turns - 1
         answering = self._answer([run.episodes[i] for i in run.live], last_turn,
                                  run.calls_by_tool, run.first_error)
@@ -231,7 +254,8 @@ class MultiTurnRollout:
 
     def _read_answers(self, run: _Run) -> None:
         """Wait for the answers to turn `run.turn` and append them to their episodes."""
-        for i, messages in zip(run.live, run.answers.result(), strict=True):
+        answers = run.answers.result() if self.replica is None else self._agree(run)
+        for i, messages in zip(run.live, answers, strict=True):
             e = run.episodes[i]
             if e.done or messages is None:
                 e.done = True
@@ -239,6 +263,27 @@ class MultiTurnRollout:
             e.append(e.transcript.observation_ids(messages), policy=False)
             e.done = e.left() <= 0
         run.turn += 1
+
+    def _agree(self, run: _Run) -> list[list[dict] | None]:
+        """The replica leader's answers to turn `run.turn` and what they counted, on every rank
+        of the replica (one object broadcast)."""
+        import torch.distributed as dist
+
+        live = [run.episodes[i] for i in run.live]
+        box: list = [None]
+        if self.replica.leads:
+            box = [(run.answers.result(),
+                    [(e.calls, e.errors, e.format_errors, dict(e.rewards)) for e in live],
+                    dict(run.calls_by_tool), list(run.first_error))]
+        dist.broadcast_object_list(box, src=self.replica.leader, group=self.replica.group)
+        answers, counts, by_tool, first_error = box[0]
+        if not self.replica.leads:
+            for e, (calls, errors, format_errors, rewards) in zip(live, counts, strict=True):
+                e.calls, e.errors, e.format_errors, e.rewards = (calls, errors, format_errors,
+                                                                 rewards)
+            run.calls_by_tool = Counter(by_tool)
+            run.first_error[:] = first_error
+        return answers
 
     def _start_ahead(self, look_ahead: LookAhead, params: SamplingParams,
                      device: torch.device) -> None:

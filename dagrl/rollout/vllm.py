@@ -167,11 +167,6 @@ def _check_tensor_parallel(cfg: Config, tp: int) -> None:
                           "new weight version when it arrives, so the ranks of one engine "
                           "would load versions at different points of their requests; use "
                           "trainer.mode=sync")
-    if cfg.rollout.multi_turn.enable:
-        raise ConfigError(f"{key} with rollout.multi_turn.enable: every rank of an engine "
-                          "runs the episodes' tools itself, and one tool answer that differs "
-                          "between them (a timeout, the clock) would send the engine's ranks "
-                          "different requests; use tensor_parallel_size=1")
 
 
 def _unsplit_prefills(max_model_len: int) -> dict:

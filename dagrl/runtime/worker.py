@@ -64,6 +64,7 @@ from dagrl.roles.multi_model import PrefixedMetrics, merge_view, model_view, pre
 from dagrl.roles.plan import engines_of, plan_with_sides
 from dagrl.roles.registry import ROLES, NodeContext
 from dagrl.rollout import rollout_backend
+from dagrl.rollout.multi_turn import EngineReplica
 from dagrl.rollout.versioned import VersionedRollout
 from dagrl.runtime.checkpoint import Checkpointer, CheckpointError
 from dagrl.runtime.distributed import DistContext, create_layout_groups, position_in_replica
@@ -192,11 +193,13 @@ class Worker(CheckpointedWorker):
         # Every rank makes the trainer side's meshes; the trainer ranks build on them.
         hsdp, mesh = self._trainer_meshes()
         trains = kind == "trainer"
+        replica = self._engine_replica()
         self.engines = build_engines(cfg, needed, self.device, layout=self.layout, log=self.log,
                                      tokenizer=tokenizer,
                                      dp_group=side.group if kind != "all" else None,
                                      hsdp_mesh=hsdp if trains else None,
-                                     train_mesh=mesh if trains else None)
+                                     train_mesh=mesh if trains else None,
+                                     engine_replica=replica)
         # The config's extra policies (config/models.py), each with its own engines, placed as
         # the main policy's (async: this side's, on the same meshes); their prompts are made
         # from the main policy's answers (a handoff node).
@@ -210,7 +213,19 @@ class Worker(CheckpointedWorker):
                 own, self.engines_needed(own, name), self.device,
                 world_size=self.world_size, log=self.log, handed_prompts=True, layout=layout,
                 dp_group=side.group if kind != "all" else None,
-                hsdp_mesh=hsdp if trains else None, train_mesh=mesh if trains else None)
+                hsdp_mesh=hsdp if trains else None, train_mesh=mesh if trains else None,
+                engine_replica=replica)
+
+    def _engine_replica(self) -> EngineReplica | None:
+        """Under rollout tensor parallelism, the ranks of this rank's engine (the planner's
+        rollout layout): their agent loops take its first rank's tool answers."""
+        task = next((t for t in self.tasks if t.kind == "node" and t.group > 1
+                     and "rollout" in ROLES.get(t.role).engines), None)
+        if task is None:
+            return None
+        replicas = self.dist.replicas_of(task.dst, task.group)
+        first = self.rank - position_in_replica(self.rank, task.dst, task.group)
+        return EngineReplica(replicas.replica_group, leader=first, leads=first == self.rank)
 
     def engines_needed(self, cfg: Config, model: str) -> set[str]:
         """The engines this rank builds for policy `model` ('' the main one; `cfg` its
