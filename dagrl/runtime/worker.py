@@ -219,7 +219,8 @@ class Worker(CheckpointedWorker):
     def _engine_replica(self) -> EngineReplica | None:
         """Under rollout tensor parallelism, the ranks of this rank's engine (the planner's
         rollout layout): their agent loops take its first rank's tool answers."""
-        task = next((t for t in self.tasks if t.kind == "node" and t.group > 1
+        tp = rollout_backend(self.cfg).ranks_per_engine(self.cfg)
+        task = next((t for t in self.tasks if t.kind == "node" and t.group == tp > 1
                      and "rollout" in ROLES.get(t.role).engines), None)
         if task is None:
             return None
