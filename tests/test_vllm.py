@@ -164,14 +164,19 @@ def test_two_workers_with_their_own_engines_reproduce_one_worker(one_worker_grpo
         assert a["actor/rollout_logprob_gap"] <= 0.02
 
 
-def test_one_engine_sharded_over_two_workers_reproduces_one_worker(one_worker_grpo, tmp_path):
+@pytest.mark.parametrize("actor_tp", [1, 2], ids=["fsdp2-actor", "tp2-actor"])
+def test_one_engine_sharded_over_two_workers_reproduces_one_worker(one_worker_grpo, tmp_path,
+                                                                   actor_tp):
     # rollout.vllm.tensor_parallel_size=2: both workers hold all of the step's prompts (the
     # rollout layout) and drive one engine, each holding half of it; the trainer's layout is
-    # sharded again. The tp engine's greedy outputs equal the one-device model's
-    # (tests/test_vllm_tp.py), and its sampled tokens the tp 1 engine's: the same run.
+    # sharded again (FSDP2 actor: each rank's blocks come by one all-to-all), or is the same
+    # layout (tp 2 actor: each rank's tp slices are its blocks). The tp engine's greedy outputs
+    # equal the one-device model's (tests/test_vllm_tp.py), and its sampled tokens the tp 1
+    # engine's: the same run.
     _, one = one_worker_grpo
     two = run_distributed(_two_worker_grpo, 2, str(tmp_path / "tp2"),
-                          "rollout.vllm.tensor_parallel_size=2", timeout=600)[0]
+                          "rollout.vllm.tensor_parallel_size=2",
+                          f"actor.tensor_parallel_size={actor_tp}", timeout=600)[0]
     assert len(two) == len(one)
     for a, b in zip(two, one, strict=True):
         for key in COMPARED:
