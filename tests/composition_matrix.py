@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
 
+from tests.vllm_helpers import SMALL_ENGINE
+
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "composition.md"
 SEED = 0
@@ -103,7 +105,7 @@ TWO_POLICIES = (f"dag.graph={ROOT / 'examples' / 'two_policies.graph.yaml'}",
                 "models.refiner.rollout.max_new_tokens=6", "algorithm.kl_loss_coef=0")
 # The server level's URL: a `vllm serve` of the policy's tiny model, started by the test.
 SERVER_URL = "{server_url}"
-VLLM_ENGINE = ("rollout.vllm.gpu_memory_utilization=0.2", "rollout.vllm.cpu_kv_cache_gb=0.25")
+VLLM_ENGINE = tuple(SMALL_ENGINE)
 
 FACTORS: dict[str, tuple[Level, ...]] = {
     "backend": (

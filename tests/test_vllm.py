@@ -28,11 +28,10 @@ from dagrl.runtime.run_dir import prepare_run
 from dagrl.runtime.worker import Worker
 from tests.dist_helpers import run_distributed
 from tests.prompts import left_padded
+from tests.vllm_helpers import PROMPTS, SMALL_ENGINE, move_weights
 
 pytestmark = pytest.mark.vllm
 
-PROMPTS = ["1+2=", "13+7=", "4+4=", "20+19=", "0+0=", "9+9="]
-SMALL_ENGINE = ["rollout.vllm.gpu_memory_utilization=0.2", "rollout.vllm.cpu_kv_cache_gb=0.25"]
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +72,6 @@ def _greedy_equal(engine, reference, ids, mask):
     torch.testing.assert_close(ours.logprobs, ref.logprobs, rtol=1e-4, atol=1e-4)
 
 
-def _move(model: torch.nn.Module) -> None:
-    """A trained step's worth of change to every weight (seeded): greedy outputs move."""
-    with torch.no_grad():
-        generator = torch.Generator().manual_seed(0)
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
-
-
 def test_greedy_equals_hf_and_updates_reach_vllm(engine, model_dir, prompts):
     ids, mask = prompts
     model = load_model(str(model_dir))
@@ -88,7 +79,7 @@ def test_greedy_equals_hf_and_updates_reach_vllm(engine, model_dir, prompts):
     # An update that changes what greedy decoding emits: vLLM must follow it.
     before = engine.generate(ids, mask, torch.arange(len(ids)), SamplingParams(temperature=0.0),
                              max_new_tokens=16).responses
-    _move(model)
+    move_weights(model)
     engine.update_weights(model.named_parameters(), version=1)
     assert engine.weights_version == 1
     _greedy_equal(engine, _hf(model, model_dir), ids, mask)
@@ -271,7 +262,7 @@ def test_a_served_policy_takes_the_trained_weights(vllm_server, model_dir, promp
     greedy = SamplingParams(temperature=0.0)
     before = server.generate(ids, mask, torch.arange(len(ids)), greedy, max_new_tokens=16)
     model = load_model(str(model_dir))
-    _move(model)
+    move_weights(model)
     server.update_weights(model.named_parameters(), version=1)
     assert server.weights_version == 1
     _greedy_equal(server, _hf(model, model_dir), ids, mask)

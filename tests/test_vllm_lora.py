@@ -14,11 +14,10 @@ from dagrl.rollout.sampling import SamplingParams
 from dagrl.runtime.run_dir import prepare_run
 from dagrl.runtime.worker import Worker
 from tests.prompts import left_padded
+from tests.vllm_helpers import PROMPTS, SMALL_ENGINE
 
 pytestmark = pytest.mark.vllm
 
-SMALL_ENGINE = ["rollout.vllm.gpu_memory_utilization=0.2", "rollout.vllm.cpu_kv_cache_gb=0.25"]
-PROMPTS = ["1+2=", "13+7=", "4+4=", "20+19=", "0+0=", "9+9="]
 
 
 def test_lora_syncs_adapters_only_and_generates_as_the_merged_weights(tmp_path):

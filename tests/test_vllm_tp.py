@@ -19,20 +19,11 @@ from dagrl.rollout.hf import HFRollout
 from dagrl.rollout.sampling import SamplingParams
 from tests.dist_helpers import run_distributed
 from tests.prompts import left_padded
+from tests.vllm_helpers import PROMPTS, SMALL_ENGINE, move_weights
 
 pytestmark = pytest.mark.vllm
 
-PROMPTS = ["1+2=", "13+7=", "4+4=", "20+19=", "0+0=", "9+9="]
-SMALL_ENGINE = ["rollout.vllm.gpu_memory_utilization=0.2", "rollout.vllm.cpu_kv_cache_gb=0.25"]
 GREEDY = SamplingParams(temperature=0.0)
-
-
-def _move(model: torch.nn.Module) -> None:
-    """A seeded change to every weight (tests/test_vllm.py's): greedy outputs move."""
-    with torch.no_grad():
-        generator = torch.Generator().manual_seed(0)
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn(p.shape, generator=generator))
 
 
 def _shard_rows(worker) -> dict[str, int]:
@@ -56,7 +47,7 @@ def _tp2_engine(rank: int, world: int, model_dir: str, ids, mask) -> dict:
     seeds = torch.arange(len(ids))
     before = engine.generate(ids, mask, seeds, GREEDY, max_new_tokens=16)
     model = load_model(model_dir)
-    _move(model)
+    move_weights(model)
     engine.update_weights(model.named_parameters(), version=1)
     after = engine.generate(ids, mask, seeds, GREEDY, max_new_tokens=16)
     rows = engine.llm.collective_rpc(_shard_rows)[0]
@@ -97,7 +88,7 @@ def test_one_engine_sharded_over_two_workers_generates_as_one_device(tmp_path):
                     "down_proj": config.hidden_size}
     for out in ranks:
         _assert_same(out["before"], _reference(model, model_dir, ids, mask))
-    _move(model)
+    move_weights(model)
     for out in ranks:
         _assert_same(out["after"], _reference(model, model_dir, ids, mask))
     assert ranks[0]["before"]["responses"] != ranks[0]["after"]["responses"]
