@@ -132,20 +132,18 @@ def _keep_cpu_linear_weights() -> None:
     layer_utils.dispatch_cpu_unquantized_gemm = keep_weights
 
 
-def _kv_heads(model_path: str) -> int:
+def _text_config(model_path: str):
+    """The model's (text) config, read before the engine starts."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_path, local_files_only=True).get_text_config()
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return AutoConfig.from_pretrained(model_path, local_files_only=True).get_text_config()
 
 
-def _check_cpu_head_size(model_path: str) -> None:
+def _check_cpu_head_size(config, model_path: str) -> None:
     """Refuse, before the engine starts, a model whose attention head size vLLM's CPU kernels
     lack (the engine would fail at the first request)."""
-    from transformers import AutoConfig
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-    config = AutoConfig.from_pretrained(model_path, local_files_only=True).get_text_config()
     head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     supported = CPUAttentionBackend.get_supported_head_sizes()
     if head not in supported:
@@ -272,13 +270,14 @@ class VLLMRollout(RolloutBackend):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         vllm = _import_vllm()
-        host_options = {}
+        config = _text_config(settings.model_path)
+        options = {}
         if is_host(device):
-            _check_cpu_head_size(settings.model_path)
+            _check_cpu_head_size(config, settings.model_path)
             _keep_cpu_linear_weights()
             _release_cpu_shm(settings.tensor_parallel_size)
-            host_options["kv_cache_memory_bytes"] = int(settings.cpu_kv_cache_gb * 2**30)
-            host_options.update(_unsplit_prefills(settings.max_model_len))
+            options["kv_cache_memory_bytes"] = int(settings.cpu_kv_cache_gb * 2**30)
+            options.update(_unsplit_prefills(settings.max_model_len))
         self.pad_token_id = pad_token_id
         self.stop_token_ids = stop_tokens(eos_token_id, stop_token_ids)
         self.weights_version = 0
@@ -287,7 +286,7 @@ class VLLMRollout(RolloutBackend):
         self.takes_adapters = settings.lora_rank > 0
         self._adapter: _Adapter | None = None
         if self.takes_adapters:
-            host_options.update(enable_lora=True, max_loras=1,
+            options.update(enable_lora=True, max_loras=1,
                                 max_lora_rank=_vllm_lora_rank(settings.lora_rank))
         self.llm = vllm.LLM(
             model=settings.model_path, dtype=settings.dtype, seed=settings.seed,
@@ -297,12 +296,12 @@ class VLLMRollout(RolloutBackend):
             logprobs_mode="processed_logprobs",
             tensor_parallel_size=settings.tensor_parallel_size,
             worker_extension_cls=f"{__name__}.{WeightSyncExtension.__name__}",
-            **host_options, **_executor_options())
+            **options, **_executor_options())
         if is_host(device):
             _release_cpu_shm(settings.tensor_parallel_size)
         # Sharded over several ranks: each reads only its blocks of a weight update.
-        self.weight_shard = (RolloutShard(settings.tensor_parallel_size,
-                                          _kv_heads(settings.model_path))
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.weight_shard = (RolloutShard(settings.tensor_parallel_size, kv_heads)
                              if settings.tensor_parallel_size > 1 else None)
         self._vllm = vllm
 
