@@ -125,26 +125,26 @@ def _exchange_blocks(bucket: list[tuple[str, torch.Tensor]], base: int,
     def numel(region: tuple[slice, ...]) -> int:
         return math.prod(r.stop - r.start for r in region)
 
+    # What this rank sends each peer, and receives from each, per parameter.
+    outgoing = [[part(i, me, q) for i in range(len(bucket))] for q in range(world)]
+    incoming = [[part(i, s, me) for i in range(len(bucket))] for s in range(world)]
     sends = []
-    for q in range(world):
-        for i, t in enumerate(local):
-            region = part(i, me, q)
-            rows = slice(region[0].start - starts[i][me], region[0].stop - starts[i][me])
+    for regions in outgoing:
+        for t, region, s in zip(local, regions, starts, strict=True):
+            rows = slice(region[0].start - s[me], region[0].stop - s[me])
             sends.append(t[(rows,) + region[1:]].reshape(-1))
-    send_sizes = [sum(numel(part(i, me, q)) for i in range(len(bucket))) for q in range(world)]
-    recv_sizes = [sum(numel(part(i, s, me)) for i in range(len(bucket))) for s in range(world)]
+    send_sizes = [sum(map(numel, regions)) for regions in outgoing]
+    recv_sizes = [sum(map(numel, regions)) for regions in incoming]
     send = torch.cat(sends) if sends else local[0].new_empty(0)
     recv = send.new_empty(sum(recv_sizes))
     dist.all_to_all_single(recv, send, output_split_sizes=recv_sizes,
                            input_split_sizes=send_sizes, group=group)
     wholes = [t.new_empty(p.shape) for (_, p), t in zip(bucket, local, strict=True)]
     offset = 0
-    for s in range(world):
-        for i, whole in enumerate(wholes):
-            region = part(i, s, me)
+    for regions in incoming:
+        for whole, region in zip(wholes, regions, strict=True):
             n = numel(region)
-            shape = [r.stop - r.start for r in region]
-            whole[region] = recv[offset:offset + n].view(shape)
+            whole[region] = recv[offset:offset + n].view([r.stop - r.start for r in region])
             offset += n
     for (name, _), whole in zip(bucket, wholes, strict=True):
         yield name, whole
