@@ -139,6 +139,24 @@ def peer_died(run_dir: Path, rank: int) -> bool:
     return False
 
 
+# A peer killed by a signal closes its sockets before its process is gone from /proc: the
+# window in which a survivor, failing on the reset socket, still sees it alive (seen once under
+# load: both lines printed).
+PEER_DEATH_GRACE_S = 1.0
+
+
+def peer_died_soon(run_dir: Path, rank: int, within_s: float = PEER_DEATH_GRACE_S) -> bool:
+    """`peer_died`, asked again every 50 ms for `within_s` while other ranks' pid files exist."""
+    deadline = time.monotonic() + within_s
+    while True:
+        if peer_died(run_dir, rank):
+            return True
+        if time.monotonic() >= deadline or not any(
+                p.name != f"rank{rank}.pid" for p in (run_dir / "workers").glob("rank*.pid")):
+            return False
+        time.sleep(0.05)
+
+
 def torchrun_main(cfg: Config, debug: bool) -> int:
     """One torchrun process, start to end; returns its exit status. Errors: one line, from the
     first failing rank only; every rank's traceback goes to the run log. Ctrl-C: rank 0 says
@@ -175,7 +193,7 @@ def _report_failure(err: BaseException, state: WorkerState, checked: bool, debug
     # An input refused by the checks is the same on every rank: no rank label.
     failure = Failure.of(err, state.rank if checked else None, first=state.first)
     failure.cause_rank = state.cause_rank
-    if failure.first and state.run_dir is not None and peer_died(state.run_dir, state.rank):
+    if failure.first and state.run_dir is not None and peer_died_soon(state.run_dir, state.rank):
         # A peer killed by a signal (kill -9, the OOM killer) says nothing; this rank's error
         # (a socket reset under a collective) is the consequence: the launcher names the death.
         failure.secondary = True
