@@ -1,6 +1,8 @@
-"""TRL's side of `dagrl bench e2e`; run by the benchmark with the TRL virtual environment's python.
+"""TRL's side of `dagrl bench e2e` and `dagrl bench learning --vs trl`; run by the benchmark
+with the TRL virtual environment's python.
 
     python _trl_worker.py --model DIR --data TRAIN.parquet --out RESULT.json [--steps 20 ...]
+    python _trl_worker.py ... --output-dir DIR --save-every 25 --steps-log STEPS.jsonl
 
 It imports nothing from dagrl (the venv has only torch, transformers and TRL), trains TRL's
 `GRPOTrainer` on the model directory and prompts the benchmark wrote, and writes the wall time
@@ -9,11 +11,16 @@ It imports nothing from dagrl (the venv has only torch, transformers and TRL), t
 One step is one generation batch of `prompts x samples` completions followed by exactly one
 optimizer step on all of them, like one step of ours: per-device batch = generation batch =
 prompts x samples, no gradient accumulation, one GRPO iteration per batch.
+
+For the learning comparison (`--output-dir`): checkpoints every `--save-every` steps (model,
+optimizer and scheduler, so an interrupted run resumes from the newest), one JSON line per
+step in `--steps-log` with dagrl's metric names, and the learning-rate warm-up of dagrl's actor.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import os
@@ -60,7 +67,24 @@ def gsm8k_flexible_reward(completions: list, ground_truth: list[str], **_: objec
     return rewards
 
 
-REWARDS = {"arith": arith_reward, "gsm8k_flexible": gsm8k_flexible_reward}
+def gsm8k_numeric_reward(completions: list, ground_truth: list[str], **_: object) -> list[float]:
+    """dagrl's `gsm8k_numeric` scorer restated: the last number in the last 300 characters,
+    "$", "," and a trailing "." removed, equal by value to the ground truth -> 1, else 0."""
+    rewards = []
+    for completion, gt in zip(completions, ground_truth, strict=True):
+        text = completion[0]["content"] if isinstance(completion, list) else completion
+        numbers = [n for n in _ANY_NUMBER.findall(text[-300:]) if n not in ("", ".")]
+        try:
+            value = float(numbers[-1].replace(",", "").replace("$", "").rstrip(".")) \
+                if numbers else None
+        except ValueError:
+            value = None
+        rewards.append(float(value is not None and value == float(str(gt).replace(",", ""))))
+    return rewards
+
+
+REWARDS = {"arith": arith_reward, "gsm8k_flexible": gsm8k_flexible_reward,
+           "gsm8k_numeric": gsm8k_numeric_reward}
 
 
 def load_prompts(path: str):
@@ -85,7 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples", type=int, default=8)
-    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--tokens", type=int, default=32, help="max completion tokens")
+    parser.add_argument("--min-tokens", type=int,
+                        help="EOS masked until this many tokens (default: --tokens, exact length)")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--warmup", type=int, default=0,
+                        help="dagrl's warm-up: lr x min(1, (s + 1) / warmup) at optimizer step s")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--beta", type=float, default=0.0,
@@ -96,6 +125,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="TrainingArguments.bf16: mixed precision (autocast to bfloat16)")
     parser.add_argument("--compile", action="store_true",
                         help="TrainingArguments.torch_compile (the model wrapped in torch.compile)")
+    parser.add_argument("--output-dir", help="keep checkpoints here (and resume from the newest)")
+    parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps")
+    parser.add_argument("--steps-log", help="append one JSON line per step to this file")
     ns = parser.parse_args(argv)
 
     import torch
@@ -126,20 +158,34 @@ def main(argv: list[str] | None = None) -> int:
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             self.logs.append(dict(logs or {}))
+            if ns.steps_log and logs and "reward" in logs:   # a training step's record
+                with open(ns.steps_log, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"step": state.global_step, "reward/mean": logs["reward"],
+                                        "response/length/mean":
+                                            logs.get("completions/mean_length")}) + "\n")
 
     batch = ns.prompts * ns.samples
-    with tempfile.TemporaryDirectory(prefix="dagrl-trl-") as out_dir:
+    min_tokens = ns.tokens if ns.min_tokens is None else ns.min_tokens
+    with contextlib.ExitStack() as stack:
+        out_dir = ns.output_dir or stack.enter_context(
+            tempfile.TemporaryDirectory(prefix="dagrl-trl-"))
+        saving = ({"save_strategy": "steps", "save_steps": ns.save_every, "save_only_model": False}
+                  if ns.save_every else {"save_strategy": "no"})
         config = GRPOConfig(
             output_dir=out_dir, seed=ns.seed, use_cpu=True, bf16=ns.bf16, fp16=False,
-            max_steps=ns.steps, logging_steps=1, save_strategy="no", eval_strategy="no",
+            max_steps=ns.steps, logging_steps=1, eval_strategy="no", **saving,
             report_to="none", disable_tqdm=True, dataloader_num_workers=0,
             # One step = one generation batch of prompts x samples = one optimizer step.
             per_device_train_batch_size=batch, gradient_accumulation_steps=1,
             steps_per_generation=1, num_iterations=1, num_generations=ns.samples,
-            # Exactly `tokens` completion tokens per sample: EOS is masked until then, as on ours.
-            max_completion_length=ns.tokens, generation_kwargs={"min_new_tokens": ns.tokens},
-            temperature=1.0, top_p=1.0, top_k=0,
+            # e2e: exactly `tokens` completion tokens per sample (EOS masked until then, as on
+            # ours); learning: up to `tokens`, stopping at EOS.
+            max_completion_length=ns.tokens, generation_kwargs={"min_new_tokens": min_tokens},
+            temperature=ns.temperature, top_p=1.0, top_k=0,
             beta=ns.beta,                   # 0: no KL term, hence no reference model
+            # dagrl's KL loss is k3 (low_var_kl) as it stands; TRL's default multiplies it by the
+            # (differentiable) importance ratio, which changes its gradient even on-policy.
+            use_bias_correction_kl=False,
             disable_dropout=True,
             # Our actor's optimiser settings (throughput does not depend on them, but keep the
             # update the same kind of update).
@@ -151,10 +197,17 @@ def main(argv: list[str] | None = None) -> int:
         model = AutoModelForCausalLM.from_pretrained(ns.model, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(ns.model)
         clock = StepClock()
+        optimizers = (None, None)
+        if ns.warmup:   # dagrl's schedule: lr / warmup at the first step, not HF's 0
+            optimizer = torch.optim.AdamW(model.parameters(), lr=ns.lr, betas=(0.9, 0.99),
+                                          weight_decay=0.0)
+            optimizers = (optimizer, torch.optim.lr_scheduler.LambdaLR(
+                optimizer, lambda s: min(1.0, (s + 1) / ns.warmup)))
         trainer = GRPOTrainer(model=model, reward_funcs=REWARDS[ns.reward], args=config,
                               train_dataset=load_prompts(ns.data), processing_class=tokenizer,
-                              callbacks=[clock])
-        trainer.train()
+                              callbacks=[clock], optimizers=optimizers)
+        resume = ns.output_dir and any(Path(out_dir).glob("checkpoint-*"))
+        trainer.train(resume_from_checkpoint=True if resume else None)
 
     step_logs = [log for log in clock.logs if "completions/mean_length" in log]
     result = {

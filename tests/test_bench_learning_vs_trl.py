@@ -1,0 +1,61 @@
+"""`dagrl bench learning --vs trl --quick`: both sides really train (dagrl's `dagrl train`, TRL's
+GRPOTrainer in its venv) on the tiny model, one evaluator scores the initial model and every
+checkpoint, and an interrupted run resumes from each side's newest checkpoint. No timing
+asserts: the figures are for the bench's reader."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from benchmarks import learning
+from benchmarks.learning_vs_trl import Progress, saved_steps
+from dagrl.runtime.checkpoint import list_checkpoints
+
+
+def test_quick_run_compares_both_sides_and_resumes_each_from_its_checkpoint(tmp_path, capsys):
+    out, plot, figures = tmp_path / "run", tmp_path / "curves.svg", tmp_path / "figures.json"
+    args = ["--vs", "trl", "--quick", "--out", str(out), "--plot", str(plot),
+            "--json", str(figures)]
+    assert learning.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "| step | dagrl held-out |" in printed and "TRL held-out" in printed
+    assert "peak RSS dagrl / TRL" in printed
+    result = json.loads(figures.read_text())
+    assert set(result["evaluations"]) == {"initial", "ours/2", "ours/4", "trl/2", "trl/4"}
+    for side in ("ours", "trl"):
+        assert [step for step, _, _ in result[side]["accuracy"]] == [0, 2, 4]
+        assert all(0 <= acc <= 1 for _, _, acc in result[side]["accuracy"])
+        assert sorted(map(int, result[side]["reward"])) == [1, 2, 3, 4]
+        assert result[side]["peak_rss_gb"] > 0.1
+    # The initial model is scored once and is the first point of both curves.
+    assert result["ours"]["accuracy"][0] == result["trl"]["accuracy"][0]
+    assert plot.read_text().lstrip().startswith(("<?xml", "<svg"))
+
+    # An interruption after step 2 on both sides: the step-4 checkpoints never completed.
+    shutil.rmtree(dict(list_checkpoints(out / "ours" / "run" / "checkpoints"))[4])
+    shutil.rmtree(out / "ours" / "hf" / "step_4")
+    shutil.rmtree(out / "trl" / "checkpoints" / "checkpoint-4")
+    evaluations = json.loads((out / "evaluations.json").read_text())
+    del evaluations["ours/4"], evaluations["trl/4"]
+    (out / "evaluations.json").write_text(json.dumps(evaluations))
+    before = {side: Progress(out / side / "progress.json").clock[2] for side in ("ours", "trl")}
+
+    assert learning.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "ours: training steps 3..4" in printed and "trl: training steps 3..4" in printed
+    assert "evaluating 2 model(s) on the held-out set: ours/4, trl/4" in printed
+    for side in ("ours", "trl"):
+        progress = Progress(out / side / "progress.json")
+        assert [seg["from_step"] for seg in progress.segments] == [0, 2]
+        assert progress.clock[2] == before[side]          # kept: its checkpoint survived
+        assert progress.clock[4] > progress.clock[2]      # the resumed segment counts from it
+        assert saved_steps(side, out / side) == [2, 4]
+
+    # A finished run is not trained again; another workload in the same --out is refused.
+    assert learning.main(args) == 0
+    assert "ours: trained to step 4 already" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="holds a run of another workload"):
+        learning.main([*args, "--steps", "6"])
