@@ -57,8 +57,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
-import torch
-
+from benchmarks.flop_limit import (
+    ModelShape,
+    matmul_gflops,
+    mean_prompt_tokens,
+    role_line,
+    step_flops,
+)
 from dagrl.engines.models import CHARACTERS, SPECIAL_TOKENS
 
 CHECKOUT = Path(__file__).resolve().parents[1]
@@ -119,7 +124,11 @@ def pool(runs: list[dict], work: Workload) -> dict:
     pooled, so every round weighs by its steps."""
     timed = [t for run in runs for t in run["step_seconds"][1:]]
     cpu = [t for run in runs for t in run["step_cpu_seconds"][1:]]
-    return {**summarize(timed, cpu, work, warmup=0),
+    roles: dict[str, list[float]] = {}
+    for run in runs:
+        for name, seconds in run.get("roles", {}).items():
+            roles.setdefault(name, []).extend(seconds)
+    return {**summarize(timed, cpu, work, warmup=0), "roles": roles,
             "rounds": runs, "mean_length": [x for run in runs for x in run["mean_length"]],
             "load_before": min(run["load_before"] for run in runs),
             "peak_rss_gb": max(run["peak_rss_gb"] for run in runs),
@@ -135,27 +144,6 @@ def compare(ours: dict, theirs: dict) -> dict:
 
 
 # --- the shared artefacts ----------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """What the FLOP count needs of a decoder (Llama / Qwen2 layout)."""
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    intermediate: int
-    vocab: int
-    tied: bool
-
-    @classmethod
-    def of(cls, model_dir: Path) -> ModelShape:
-        from transformers import AutoConfig
-
-        c = AutoConfig.from_pretrained(model_dir, local_files_only=True)
-        return cls(c.hidden_size, c.num_hidden_layers, c.num_attention_heads,
-                   c.num_key_value_heads, c.intermediate_size, c.vocab_size,
-                   bool(c.tie_word_embeddings))
-
 
 def write_tiny_workload(root: Path) -> tuple[Path, Path]:
     """The model directory and the prompt parquet both sides read; checks the model is the
@@ -262,7 +250,20 @@ def run_ours(model: Path, data: Path, work: Workload, run_dir: Path,
                         env={**os.environ, "PYTHONWARNINGS": "ignore"}, cwd=CHECKOUT)
     result = json.loads(run_dir.with_suffix(".json").read_text())
     return {**summarize(result["step_seconds"], result["step_cpu_seconds"], work),
-            "mean_length": result["mean_length"], "metrics": str(run_dir), "peak_rss_gb": peak}
+            "mean_length": result["mean_length"], "metrics": str(run_dir), "peak_rss_gb": peak,
+            "roles": role_seconds(run_dir / "metrics.jsonl")}
+
+
+def role_seconds(metrics: Path, warmup: int = 1) -> dict[str, list[float]]:
+    """Each node's seconds per step after the first `warmup` (the run's timing/<node>_s: the
+    slowest rank's time of the task), for the per-role breakdown against the limit."""
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    rows = [r for r in rows if r.get("step", 0) > warmup]
+    names = {k[len("timing/"):-2] for r in rows for k in r
+             if k.startswith("timing/") and k.endswith("_s") and not k.endswith(("_spread_s",
+                                                                                "_min_s"))}
+    return {n: [float(r[f"timing/{n}_s"]) for r in rows if f"timing/{n}_s" in r]
+            for n in sorted(names - {"step"})}
 
 
 def ours_child(spec_path: str) -> int:
@@ -336,72 +337,6 @@ def run_trl(python: Path, model: Path, data: Path, work: Workload, out: Path,
     result = json.loads(out.read_text())
     return {**summarize(result.pop("step_seconds"), result.pop("step_cpu_seconds"), work),
             **result, "peak_rss_gb": peak}
-
-
-# --- the hardware limit ------------------------------------------------------------------------
-
-def matmul_gflops(threads: int, n: int = 1024, repeats: int = 20,
-                  dtype: str = "float32") -> float:
-    """Best GFLOP/s of an n x n matmul in `dtype` at `threads` threads (best, not mean: the
-    limit is what the cores can do, and other load on the machine only lowers a sample)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    a, b = (torch.randn(n, n, dtype=getattr(torch, dtype)) for _ in range(2))
-    try:
-        torch.mm(a, b)
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            torch.mm(a, b)
-            best = min(best, time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(previous)
-    return 2 * n**3 / best / 1e9
-
-
-def step_flops(work: Workload, prompt_tokens: float, shape: ModelShape, kl: bool) -> dict:
-    """FLOPs of one GRPO step of useful work (no padding), float32, counting multiply-adds as 2.
-
-    P = matmul weights a token passes through = layers * (2 H^2 [q, o] + 2 H * kv_dim [k, v]
-        + 3 H * I [gate, up, down]) + V * H [LM head]      (the embedding lookup is free)
-    attention (QK^T and AV) at context c costs 4 * c * H per token per layer, forward.
-    With S = prompt + completion tokens per sequence and B = prompts x samples sequences:
-      generation  = B * (2 P S + 4 H L sum_{c=1..S} c)           (prefill + decode, KV cache)
-      reference   = one forward, with a KL term                    (x1)
-      update      = forward + backward = 3 x forward              (x3)
-    so a step is 4 forwards of the batch (5 with a KL term); the generation forward is the same
-    count as the teacher-forced one because a KV cache makes each new token cost one token's
-    forward. Neither side runs a separate old-logprob forward: each batch gets one optimizer
-    step, so pi_old = pi (TRL with num_iterations=1; ours with actor.skip_on_policy_old_logprob).
-    Recomputation under activation checkpointing is not useful work and is not counted.
-    """
-    h, layers = shape.hidden, shape.layers
-    kv_dim = h // shape.heads * shape.kv_heads
-    params = layers * (2 * h**2 + 2 * h * kv_dim + 3 * h * shape.intermediate) \
-        + shape.vocab * h
-    seq = prompt_tokens + work.tokens
-    batch = work.prompts * work.samples
-    forward = batch * (2 * params * seq + 4 * h * layers * seq * (seq + 1) / 2)
-    forwards = 5 if kl else 4
-    return {"matmul_params": params, "seq_tokens": seq, "forward": forward, "forwards": forwards,
-            "generation": forward, "reference": forward if kl else 0.0, "update": 3 * forward,
-            "total": forwards * forward}
-
-
-def mean_prompt_tokens(data: Path, model: Path, name: str) -> float:
-    """Prompt tokens per sequence as both sides feed them. tiny: `<bos>` + one token per
-    character; smollm2: the tokenizer's chat template with the generation prompt."""
-    import pyarrow.parquet as pq
-
-    prompts = pq.read_table(data, columns=["prompt"]).column("prompt").to_pylist()
-    if name == "tiny":
-        return statistics.mean(1 + len(p[0]["content"]) for p in prompts)
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model, local_files_only=True)
-    return statistics.mean(len(tok.apply_chat_template(p, add_generation_prompt=True,
-                                                       tokenize=True, return_dict=False))
-                           for p in prompts[:256])
 
 
 # --- the run -----------------------------------------------------------------------------------
@@ -500,6 +435,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               + ", ".join(f"{run['tokens_per_s']:.0f}" for run in r["rounds"]))
         print(f"{'':>13}  median {statistics.median(r['step_seconds']):.2f} s/step, peak RSS "
               f"{r['peak_rss_gb']:.2f} GiB")
+        if r.get("roles"):   # ours: where the step goes, each FLOP-counted role beside its limit
+            print(f"{'':>13}  " + role_line(r["roles"], flops, gflops))
     ours_sides = [s for s in sides if s.startswith("ours")]
     trl_sides = [s for s in sides if s.startswith("trl")]
     for ours in ours_sides:

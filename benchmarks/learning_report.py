@@ -111,6 +111,7 @@ def write_plot(path: Path, work: Any, progress: dict, evaluations: dict) -> None
     import matplotlib
 
     matplotlib.use("Agg")
+    matplotlib.rcParams["svg.fonttype"] = "none"    # text as text: a small, searchable file
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
@@ -136,5 +137,5 @@ def write_plot(path: Path, work: Any, progress: dict, evaluations: dict) -> None
                  f"{work.precision}, same hyper-parameters and evaluator on both sides")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="svg")
+    fig.savefig(path, format="svg", metadata={"Date": None})   # no timestamp: diffs stay small
     plt.close(fig)

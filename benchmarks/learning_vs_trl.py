@@ -23,17 +23,20 @@ Wall-clock: each side runs as its own process, one after the other; a watcher no
 step's record appears (ours: metrics.jsonl; TRL: a callback's JSON line), counted from the
 process start (model loading included). Peak RSS: the kernel's ru_maxrss of the process tree.
 
-Resumable: everything lives under --out. A side interrupted goes on from its newest checkpoint
-(its clock from that step's time), a finished side is not run again, and evaluations already
-made are kept (out/evaluations.json).
+Resumable: everything lives under --out. Ctrl-C or SIGTERM stops the bench and the side it
+runs (its peak RSS and time so far recorded); run it again and that side goes on from its newest
+checkpoint (its clock from that step's time), a finished side is not run again, and
+evaluations already made are kept (out/evaluations.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -177,26 +180,35 @@ class Progress:
         os.replace(tmp, self.path)
 
 
-def watch_steps(log: Path, progress: Progress, offset: float, start: float,
+def watch_steps(log: Path, progress: Progress, first_step: int, offset: float, start: float,
                 stop: threading.Event) -> None:
-    """Note the time at which each step's JSON line appears in `log` (from the byte it had
-    when the process started): offset + seconds since `start`."""
-    position = log.stat().st_size if log.exists() else 0
-    pending = ""
+    """Note the time at which each step from `first_step` on first appears in `log` (one JSON
+    record per line): offset + seconds since `start`. The whole file is read at every look (a
+    resumed dagrl run cuts its metrics.jsonl back to its checkpoint before appending), and the
+    lines it held before (TRL's log keeps an interrupted segment's steps) are not new."""
+
+    def lines() -> list[str]:   # complete lines only: the last may be half-written
+        try:
+            return log.read_text(encoding="utf-8").split("\n")[:-1]
+        except FileNotFoundError:
+            return []
+
+    before, seen = set(lines()), set()
     while True:
         done = stop.is_set()
-        if log.exists():
-            with log.open(encoding="utf-8") as f:
-                f.seek(position)
-                chunk = f.read()
-                position = f.tell()
-            now = time.perf_counter()
-            pending += chunk
-            *lines, pending = pending.split("\n")
-            for line in lines:
+        current = lines()
+        now = time.perf_counter()
+        for line in current:
+            if line in before:
+                continue
+            try:
                 record = json.loads(line)
-                if record.get("step", 0) > 0 and "reward/mean" in record:
-                    progress.step(record["step"], offset + now - start, record["reward/mean"])
+            except ValueError:
+                continue
+            step = record.get("step", 0)
+            if step >= first_step and step not in seen and "reward/mean" in record:
+                seen.add(step)
+                progress.step(step, offset + now - start, record["reward/mean"])
         if done:
             return
         stop.wait(0.2)
@@ -232,26 +244,58 @@ def run_side(side: str, work: Workload, model: Path, train: Path, out: Path,
            "OMP_NUM_THREADS": str(work.threads)}
     stop = threading.Event()
     start = time.perf_counter()
-    watcher = threading.Thread(target=watch_steps, args=(log, progress, offset, start, stop),
+    watcher = threading.Thread(target=watch_steps,
+                               args=(log, progress, resume_at + 1, offset, start, stop),
                                daemon=True)
     watcher.start()
+    segment = {"from_step": resume_at, "load_before": load}
     try:
         with (side_dir / "output.log").open("a") as output:
-            peak = e2e.run_measured(cmd, env=env, cwd=CHECKOUT, stdout=output)
-    except subprocess.CalledProcessError as err:
-        tail = (side_dir / "output.log").read_text(errors="replace").splitlines()[-15:]
-        raise SystemExit("\n".join(tail) + f"\n{side}: training exited with status "
-                         f"{err.returncode} (above: the end of {side_dir / 'output.log'}); run "
-                         "the bench again to resume from the newest checkpoint") from None
+            code, peak = run_child(cmd, env, output)
+    except Interrupted as stopped:   # Ctrl-C or SIGTERM: the side's segment is recorded
+        progress.peak_rss_gb = max(progress.peak_rss_gb, stopped.peak_gb)
+        progress.segments.append({**segment, "seconds": time.perf_counter() - start,
+                                  "load_after": os.getloadavg()[0],
+                                  "peak_rss_gb": stopped.peak_gb, "interrupted": True})
+        progress.save()
+        raise SystemExit(f"{side}: {stopped}; run the bench again to resume from the newest "
+                         "checkpoint") from None
     finally:
         stop.set()
         watcher.join()
     progress.peak_rss_gb = max(progress.peak_rss_gb, peak)
-    progress.segments.append({"from_step": resume_at, "seconds": time.perf_counter() - start,
-                              "load_before": load, "load_after": os.getloadavg()[0],
-                              "peak_rss_gb": peak})
+    progress.segments.append({**segment, "seconds": time.perf_counter() - start,
+                              "load_after": os.getloadavg()[0], "peak_rss_gb": peak})
     progress.save()
+    if code != 0:
+        tail = (side_dir / "output.log").read_text(errors="replace").splitlines()[-15:]
+        raise SystemExit("\n".join(tail) + f"\n{side}: training exited with status {code} "
+                         f"(above: the end of {side_dir / 'output.log'}); run the bench again "
+                         "to resume from the newest checkpoint")
     return progress
+
+
+class Interrupted(Exception):
+    """The bench was stopped while a side trained; `peak_gb`: that side's peak RSS so far."""
+
+    def __init__(self, peak_gb: float) -> None:
+        super().__init__(f"stopped (the side's peak RSS so far: {peak_gb:.2f} GiB)")
+        self.peak_gb = peak_gb
+
+
+def run_child(cmd: list[str], env: dict, output) -> tuple[int, float]:
+    """Run a side to completion: (exit status, peak RSS in GiB, the kernel's ru_maxrss of the
+    process tree). Stopped (Ctrl-C, SIGTERM to the bench), the side is terminated too — its
+    finished checkpoints stay — and Interrupted carries its peak so far."""
+    proc = subprocess.Popen(cmd, env=env, cwd=CHECKOUT, stdout=output,
+                            stderr=subprocess.STDOUT)
+    try:
+        _, status, usage = os.wait4(proc.pid, 0)
+    except BaseException:
+        proc.terminate()
+        _, status, usage = os.wait4(proc.pid, 0)
+        raise Interrupted(usage.ru_maxrss / 2**20) from None
+    return os.waitstatus_to_exitcode(status), usage.ru_maxrss / 2**20
 
 
 # --- the evaluator -----------------------------------------------------------------------------
@@ -284,7 +328,10 @@ def evaluate_child(spec_path: str) -> int:
                               [a for a in args if not a.endswith(".yaml")]
                               + [f"model.path={model}"])
         start = time.perf_counter()
-        metrics = Worker(prepare_run(cfg), dist).validate(0)
+        worker = Worker(prepare_run(cfg), dist)
+        metrics = worker.validate(0)
+        del worker          # one model at a time in memory
+        gc.collect()
         scores = [v for k, v in metrics.items() if k.startswith("val/") and k.endswith("/score")]
         if len(scores) != 1:
             raise RuntimeError(f"expected one val/<source>/score, got {sorted(metrics)}")
@@ -317,10 +364,15 @@ def evaluate(work: Workload, model: Path, train: Path, test: Path, out: Path) ->
     spec.write_text(json.dumps({"args": evaluator_args(work, train, test, out / "eval-run"),
                                 "models": models, "out": str(results)}))
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(work.threads)}
+    log = out / "evaluate.log"
     try:
-        with (out / "evaluate.log").open("a") as output:
+        with log.open("a") as output:
             e2e.run_measured([sys.executable, "-m", "benchmarks.learning_vs_trl", "--evaluate",
                               str(spec)], env=env, cwd=CHECKOUT, stdout=output)
+    except subprocess.CalledProcessError as err:
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        raise SystemExit("\n".join(tail) + f"\nevaluation exited with status {err.returncode} "
+                         f"(above: the end of {log}); the scores made are kept") from None
     finally:   # what was scored before a failure is kept
         if results.is_file():
             for line in results.read_text().splitlines():
@@ -354,8 +406,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def _raise_interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt   # SIGTERM stops the bench as Ctrl-C does (run_side records it)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ns = parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_interrupt)
     base = WORKLOADS["tiny" if ns.quick else ns.workload]
     work = dataclasses.replace(
         base, steps=ns.steps or base.steps, every=ns.every or base.every,

@@ -93,3 +93,20 @@ def test_unknown_side_is_refused(tmp_path):
 
     with pytest.raises(SystemExit):
         e2e.main(["--sides", "ours,vllm", "--out", str(tmp_path)])
+
+
+def test_the_step_is_broken_down_by_node_against_each_role_s_limit(tmp_path):
+    from benchmarks.flop_limit import role_line
+
+    metrics = tmp_path / "metrics.jsonl"
+    rows = [{"step": s, "timing/step_s": 9.0, "timing/rollout_s": 2.0 + s,
+             "timing/actor_update_s": 6.0, "timing/actor_update_spread_s": 0.0,
+             "timing/reward_s": 0.001} for s in (1, 2, 3)]
+    metrics.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    roles = e2e.role_seconds(metrics)                    # step 1 (warm-up) left out
+    assert roles["rollout"] == [4.0, 5.0] and roles["actor_update"] == [6.0, 6.0]
+    assert "actor_update_spread" not in roles and "step" not in roles
+    flops = {"generation": 1e9, "update": 3e9}
+    line = role_line(roles, flops, gflops=1.0)            # 1 GFLOP/s: 1 s and 3 s of work
+    assert line == ("median per node: actor_update 6.00 s (limit 3.00 s, 50%), "
+                    "rollout 4.50 s (limit 1.00 s, 22%)")  # reward (1 ms) left out
