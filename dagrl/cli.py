@@ -146,6 +146,11 @@ def maker_options(maker, pairs: Sequence[str]) -> dict:
             raise ValueError(f"{pair!r}: give options as key=value with key one of "
                              f"{', '.join(defaults)}")
         kind = type(defaults[key])
+        if kind is bool:   # bool("false") is True
+            if text.lower() not in ("true", "false"):
+                raise ValueError(f"{key}={text!r} is not true or false")
+            options[key] = text.lower() == "true"
+            continue
         try:
             options[key] = kind(text)
         except ValueError as err:

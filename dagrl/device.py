@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import importlib.util
 import random
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import numpy as np
-import torch
+if TYPE_CHECKING:
+    import torch
+
+# torch (and numpy) are imported inside the functions that use them: the config schema reads
+# DeviceChoice from here, and `dagrl train` checks a config in a second, before torch loads.
 
 # trainer.device: a device type, or "auto" for the best one present.
 DeviceChoice = Literal["auto", "cpu", "cuda", "npu"]
@@ -32,6 +35,7 @@ VISIBLE_DEVICES_ENV = {"cuda": "CUDA_VISIBLE_DEVICES", "npu": "ASCEND_RT_VISIBLE
 def npu_available() -> bool:
     if importlib.util.find_spec("torch_npu") is None:
         return False
+    import torch
     import torch_npu  # noqa: F401  (registers torch.npu)
 
     return bool(torch.npu.is_available())
@@ -39,6 +43,8 @@ def npu_available() -> bool:
 
 def device_type(preference: str = "auto") -> str:
     """'cpu' | 'cuda' | 'npu': the configured type, or the best one present for 'auto'."""
+    import torch
+
     if preference == "auto":
         if torch.cuda.is_available():
             return "cuda"
@@ -51,11 +57,15 @@ def device_type(preference: str = "auto") -> str:
 
 
 def host_device() -> torch.device:
+    import torch
+
     return torch.device(HOST)
 
 
 def is_host(device: torch.device | str | torch.Tensor) -> bool:
     """Whether `device` (or a tensor's device) is host memory."""
+    import torch
+
     if isinstance(device, torch.Tensor):
         return device.is_cpu
     return torch.device(device).type == HOST
@@ -63,6 +73,8 @@ def is_host(device: torch.device | str | torch.Tensor) -> bool:
 
 def worker_device(kind: str, local_rank: int = 0) -> torch.device:
     """The device of a worker: one accelerator per worker process, or the host."""
+    import torch
+
     if kind == HOST:
         return host_device()
     module = getattr(torch, kind)
@@ -93,6 +105,8 @@ def fused_optimizer_supported(device: torch.device) -> bool:
 
 def device_name(device: torch.device) -> str:
     """The accelerator's marketing name (e.g. 'NVIDIA H100 80GB HBM3'); 'cpu' on the host."""
+    import torch
+
     if is_host(device):
         return HOST
     return str(getattr(torch, device.type).get_device_name(device))
@@ -100,12 +114,16 @@ def device_name(device: torch.device) -> str:
 
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new peak for `peak_memory_bytes` (no-op on the host)."""
+    import torch
+
     if not is_host(device):
         getattr(torch, device.type).reset_peak_memory_stats(device)
 
 
 def peak_memory_bytes(device: torch.device) -> int | None:
     """Most device memory allocated by tensors since the last reset; None on the host."""
+    import torch
+
     if is_host(device):
         return None
     return int(getattr(torch, device.type).max_memory_allocated(device))
@@ -129,6 +147,8 @@ def profiler_for(kind: str):
 
 def _accelerators() -> list[str]:
     """Accelerator types whose RNG this process has started (their state is worth saving)."""
+    import torch
+
     found = []
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         found.append("cuda")
@@ -139,6 +159,9 @@ def _accelerators() -> list[str]:
 
 def rng_state() -> dict:
     """Every RNG this process draws from: torch (host and accelerators), numpy, python."""
+    import numpy as np
+    import torch
+
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
              "python": random.getstate()}
     for kind in _accelerators():
@@ -147,6 +170,9 @@ def rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
+    import numpy as np
+    import torch
+
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
@@ -228,6 +254,8 @@ def native_bf16_matmul(device: torch.device) -> bool:
     """Whether bfloat16 matmuls run natively (faster than float32) on `device`: always on CUDA
     and NPU; on the host only with AVX512-BF16 or AMX (oneDNN), elsewhere they are emulated and
     slower than float32."""
+    import torch
+
     if device.type != HOST:
         return True
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())

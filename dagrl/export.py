@@ -25,6 +25,7 @@ import torch
 
 from dagrl.engines.lora import ADAPTER_DIR, wrap_like_checkpoint
 from dagrl.engines.models import plain_config
+from dagrl.file_modes import apply_umask
 from dagrl.runtime.checkpoint import (
     LOAD_ERRORS,
     STATE_FILE,
@@ -46,7 +47,9 @@ def find_checkpoint(path: Path) -> Path:
         if found is not None:
             return found
     raise CheckpointError(f"{path}: no checkpoint there (expected {STATE_FILE}, or a run "
-                          "directory with checkpoints/step_<N>)")
+                          "directory with checkpoints/step_<N>); runs write none by default: "
+                          "train with trainer.save_every=N (a checkpoint every N steps and "
+                          "after the last)")
 
 
 def verify_for_export(checkpoint: Path) -> None:
@@ -96,11 +99,62 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str | None = None) -> 
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(hf).save_pretrained(tmp)
+        write_model_card(tmp / "README.md", checkpoint)
+        apply_umask(tmp)   # safetensors writes 0600
         os.replace(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+# The metrics a model card lists, when the step has them (and every val/*/score).
+CARD_METRICS = ("reward/mean", "response/length/mean", "actor/kl", "actor/entropy")
+
+
+def write_model_card(path: Path, checkpoint: Path) -> None:
+    """README.md of an exported model (Hugging Face's model card): the base model, algorithm,
+    data, step, the metrics of that step and the command that trains it again, from the run
+    directory the checkpoint belongs to (what the checkpoint alone knows, when it is kept
+    elsewhere)."""
+    import json
+
+    import yaml
+
+    from dagrl.observe.run_files import read_jsonl
+
+    step = json.loads((checkpoint / STATE_FILE).read_text()).get("step")
+    run_dir = checkpoint.parent.parent if checkpoint.parent.name == "checkpoints" else None
+    config_file = run_dir / "config.yaml" if run_dir is not None else None
+    cfg = yaml.safe_load(config_file.read_text()) if config_file and config_file.is_file() else {}
+    model, data = cfg.get("model", {}), cfg.get("data", {})
+    base = model.get("path", "unknown") + (f" ({model['gguf_file']})" if model.get("gguf_file")
+                                           else "")
+    algorithm = cfg.get("algorithm", {}).get("name", "unknown")
+    metrics: dict = {}
+    if run_dir is not None and (run_dir / "metrics.jsonl").is_file():
+        rows = [r for r in read_jsonl(run_dir / "metrics.jsonl").records if r.get("step") == step]
+        metrics = rows[-1] if rows else {}
+    shown = {k: v for k, v in metrics.items() if k in CARD_METRICS or (
+        k.startswith("val/") and k.endswith("/score"))}
+    lines = ["---", "library_name: transformers",
+             f"tags: [dagrl, reinforcement-learning, {algorithm}]",
+             *([f"base_model: {base}"] if "/" in base and not base.startswith(("builtin:", "/"))
+               else []), "---", "",
+             f"# {path.parent.name.lstrip('.').removesuffix('.tmp')}", "",
+             f"Trained with [dagrl](https://github.com/dagrl/dagrl) ({algorithm}), exported from "
+             f"checkpoint `{checkpoint.name}` (step {step}).", "",
+             f"- base model: `{base}`", f"- algorithm: `{algorithm}`",
+             f"- train data: {', '.join(f'`{f}`' for f in data.get('train_files', [])) or '?'}",
+             f"- steps: {step} of {cfg.get('trainer', {}).get('total_steps', '?')}", ""]
+    if shown:
+        lines += ["| metric at this step | value |", "|---|---|",
+                  *(f"| {k} | {v:.4g} |" for k, v in shown.items()
+                    if isinstance(v, int | float)), ""]
+    if config_file is not None and config_file.is_file():
+        lines += ["Train it again with the run's config (below): `dagrl train config.yaml`", "",
+                  "```yaml", config_file.read_text().rstrip(), "```", ""]
+    path.write_text("\n".join(lines))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,6 +6,8 @@
     dagrl train trainer.n_workers=2              # two workers, started as Ray actors
     dagrl train --nproc-per-node 2               # two workers under torchrun's agent, no Ray
     torchrun --nproc-per-node 2 -m dagrl.train trainer.n_workers=2   # the same, torchrun's output
+    dagrl train --from-verl run_qwen2-7b.sh     # a verl launch script's overrides, translated
+    dagrl train --verl data.train_batch_size=64 actor_rollout_ref.rollout.n=4 ...   # verl keys
 """
 
 from __future__ import annotations
@@ -14,11 +16,16 @@ import argparse
 import os
 import sys
 import time
+import types
 from collections.abc import Sequence
+from typing import Any
 
 from dagrl.config.loader import ConfigError, dump_yaml, with_defaults
 from dagrl.config.presets import load_run_config
 from dagrl.config.schema import Config
+from dagrl.data.errors import DatasetError
+from dagrl.data.listed_files import check_listed_files
+from dagrl.runtime.config_names import check_registered_names
 
 # torchrun's options `dagrl train` passes on to the agent (runtime/torchrun_launcher.py).
 TORCHRUN_OPTIONS = {"--nproc-per-node": "N", "--nnodes": "N|MIN:MAX", "--node-rank": "RANK",
@@ -54,71 +61,29 @@ def load_cli_config(args: Sequence[str]) -> Config:
     """[CONFIG.yaml] [key=value ...] -> the config, with algorithm.name's preset applied."""
     path, overrides = split_config_args(args)
     cfg = load_run_config(path, overrides)
+    check_listed_files(cfg.data.train_files, cfg.data.val_files if cfg.validates else [])
     check_registered_names(cfg)
     return cfg
 
 
-def import_dag_modules(cfg: Config) -> None:
-    """Import the user modules of dag.modules (docs/extending.md); the workers' planner imports
-    them again, a no-op in this process. An import error is a ConfigError naming them."""
-    if not cfg.dag.modules:
-        return
-    from dagrl.roles.registry import import_user_modules
+def translated_verl_args(script: str | None, args: Sequence[str]) -> list[str]:
+    """verl overrides (a launch script's, then `args`) -> dagrl overrides; prints what became
+    what (every verl key, and verl's defaults applied) on standard error."""
+    from pathlib import Path
 
-    try:
-        import_user_modules(cfg.dag.modules)
-    except FileNotFoundError as err:
-        raise ConfigError(str(err)) from err
-    except Exception as err:   # anything the user's module raises while it is imported
-        raise ConfigError(f"dag.modules={cfg.dag.modules}: importing them failed "
-                          f"({type(err).__name__}: {err})") from err
+    from dagrl.config.verl import overrides_from_script, parquet_rows, translate
 
-
-def check_registered_names(cfg: Config) -> None:
-    """Names the config looks up in a registry above the config layer, checked at load so a
-    typo fails in a second, not after the model has loaded. The modules of dag.modules are
-    imported first: the names they register (losses, estimators, scorers, ...) count."""
-    from dagrl.algorithms import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
-    from dagrl.algorithms.rollout_correction import rs_bounds, rs_options
-    from dagrl.rewards.scorers import SCORERS
-
-    import_dag_modules(cfg)
-    if cfg.reward.scorer and cfg.reward.scorer not in SCORERS:
-        raise ConfigError(f"reward.scorer: {SCORERS.unknown_message(cfg.reward.scorer)}")
-    mt = cfg.rollout.multi_turn
-    if mt.enable:   # a user's `file.py:name` is loaded (and checked) when the worker starts
-        from dagrl.envs import ENVIRONMENTS
-        from dagrl.tools import TOOLS
-
-        for name in mt.tools:
-            if ":" not in name and name not in TOOLS:
-                raise ConfigError(f"rollout.multi_turn.tools: {TOOLS.unknown_message(name)}")
-        env = mt.environment
-        if env and ":" not in env and env not in ENVIRONMENTS:
-            raise ConfigError(f"rollout.multi_turn.environment: "
-                              f"{ENVIRONMENTS.unknown_message(env)}")
-    check_rollout_backends(cfg)
-    algo = cfg.algorithm
-    for key, registry in (("adv_estimator", ADVANTAGE_ESTIMATORS), ("policy_loss", POLICY_LOSSES),
-                          ("kl_loss_type", KL_ESTIMATORS), ("kl_reward_type", KL_ESTIMATORS)):
-        name = getattr(algo, key)
-        if name not in registry:
-            raise ConfigError(f"algorithm.{key}: {registry.unknown_message(name)}")
-    rc = algo.rollout_correction
-    if rc.rollout_rs:
-        try:
-            rs_bounds(rs_options(rc.rollout_rs), rc.rollout_rs_threshold)
-        except ValueError as err:
-            raise ConfigError(f"algorithm.rollout_correction.rollout_rs: {err}") from None
-
-
-def check_rollout_backends(cfg: Config) -> None:
-    """rollout.backend (the main policy's and each extra one's) names a registered backend
-    (a user's registers itself in a module of dag.modules, imported before this), and that
-    backend's own checks pass (`RolloutBackend.check_config`)."""
-    from dagrl.rollout import check_rollout_config
-
-    check_rollout_config(cfg)
+    verl_args = list(args)
+    if script is not None:
+        path = Path(script)
+        if not path.is_file():
+            raise ConfigError(f"--from-verl {script}: no such file")
+        verl_args = [*overrides_from_script(path.read_text(), dict(os.environ)), *verl_args]
+    translation = translate(verl_args, parquet_rows)
+    if os.environ.get("RANK", "0") == "0":
+        print(f"verl -> dagrl ({len(translation.overrides)} dagrl keys):\n"
+              f"{translation.table()}", file=sys.stderr)
+    return translation.overrides
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -129,6 +94,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--debug", action="store_true",
                         help="print tracebacks on the terminal (they always go to the run's "
                              "dagrl.log)")
+    parser.add_argument("--from-verl", metavar="SCRIPT",
+                        help="a verl launch script: its `python -m verl.trainer.main_ppo` "
+                             "overrides (and the key=value arguments after it) are verl keys, "
+                             "translated to dagrl's (dagrl/config/verl.py)")
+    parser.add_argument("--verl", action="store_true",
+                        help="the key=value arguments are verl keys, translated to dagrl's")
     parser.add_argument("args", nargs="*", help="[CONFIG.yaml] [key=value ...]")
     launcher = parser.add_argument_group(
         "torchrun", "start the workers under torchrun's agent in this process (one line per "
@@ -142,15 +113,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     if launcher_args and ns.print_config:
         parser.error("--print-config runs no workers: give it without the torchrun options")
     try:
+        if ns.from_verl or ns.verl:
+            ns.args = translated_verl_args(ns.from_verl, ns.args)
         if launcher_args:   # the config's checks (tp x sp dividing the workers) read the count
             ns.args = with_launcher_world(launcher_args, ns.args)
         # Under dagrl's torchrun launcher too: a config error is found once, before any worker.
         cfg = load_cli_config(ns.args)
-    except ConfigError as err:
+    except (ConfigError, DatasetError) as err:
+        # A bad config, or a data file it lists that is missing (found before torch loads).
         # Under torchrun every rank finds the same error: rank 0 says it (and torchrun's
         # summary shows it, from the error file torchrun gives each worker).
+        config_error = isinstance(err, ConfigError)
         if os.environ.get("RANK", "0") == "0":
-            print(f"config error: {err}", file=sys.stderr)
+            print(f"error: {err}", file=sys.stderr)
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):
             from dagrl.runtime.failures import Failure, write_elastic_error_file
 
@@ -160,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 time.sleep(5.0)
         if ns.debug:
             raise
-        return 2
+        return 2 if config_error else 1
     if ns.print_config:
         print(dump_yaml(cfg), end="")
         return 0
@@ -222,6 +197,19 @@ def _launch(cfg: Config, debug: bool) -> int:
         return 1
     return 0
 
+
+class _CallableModule(types.ModuleType):
+    """`dagrl.train` is this module (`python -m dagrl.train`, `torchrun -m dagrl.train`) and the
+    Python API's function at once: importing a submodule makes it the package's attribute, so
+    calling the module calls dagrl.api.train (README: Python API)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from dagrl.api import train
+
+        return train(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from dagrl.data.makers import make_arith
@@ -39,3 +41,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if runs:
         config.hook.pytest_deselected(items=runs)
         items[:] = [item for item in items if not item.get_closest_marker("composition")]
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """DAGRL_NO_SKIPS=1 (CI, .ci/run): a skipped test fails the session, naming it — every test
+    of the suite can run there (chromium renders the report, mlflow is installed, ...), so a
+    skip means a dependency went missing, not a test that may sit out."""
+    if os.environ.get("DAGRL_NO_SKIPS") != "1" or hasattr(session.config, "workerinput"):
+        return   # an xdist worker: the controller sees every worker's reports
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    skipped = reporter.stats.get("skipped", []) if reporter is not None else []
+    if skipped:
+        names = "; ".join(f"{r.nodeid} ({r.longrepr[-1] if isinstance(r.longrepr, tuple) else ''})"
+                          for r in skipped)
+        reporter.write_line(f"DAGRL_NO_SKIPS=1: {len(skipped)} test(s) skipped: {names}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -14,6 +14,7 @@ import math
 import os
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -248,6 +249,33 @@ def test_other_busy_processes_are_warned(capsys):
     assert "other processes keep" in capsys.readouterr().out
 
 
+def test_auto_threads_take_only_the_free_cores(capsys):
+    """trainer.torch_threads=0 with a core kept busy by another process: the run takes the
+    free cores (one here), never a thread on the busy core."""
+    import subprocess
+
+    import torch
+
+    from dagrl.runtime.preflight import check_cpu_threads
+
+    cores = len(os.sched_getaffinity(0))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(cores)
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in range(cores - 1)]
+    try:
+        time.sleep(0.3)
+        check_cpu_threads(0, 1, print, window_s=0.5)
+        chosen = torch.get_num_threads()
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+        torch.set_num_threads(previous)
+    assert chosen == 1
+    assert f"1 torch thread(s) instead of {cores}" in capsys.readouterr().out
+
+
 def test_null_prompt_is_named(tmp_path, tokenizer):
     rows = arith_rows(4)
     rows[1]["prompt"] = None
@@ -392,7 +420,8 @@ def test_cli_prints_the_error_without_a_traceback(tmp_path, tiny_model_dir, caps
                  f"data.train_files=[{tmp_path / 'missing.parquet'}]", *SMALL])
     err = capsys.readouterr().err
     assert code == 1
-    assert "error: DatasetError:" in err and "missing.parquet: no such parquet file" in err
+    assert err.startswith("error: ") and "DatasetError" not in err
+    assert "missing.parquet: no such parquet file" in err
     assert "Traceback" not in err
 
 
@@ -446,3 +475,33 @@ def test_unreachable_server_is_a_named_error_within_the_timeout():
         ServerRollout(ServerSettings((url,), "", timeout_s=2.0, max_retries=1,
                                      max_concurrency=2), eos_token_id=2, pad_token_id=0)
     assert time.monotonic() - start < 10
+
+
+def test_a_logger_whose_package_is_missing_is_refused_before_any_work(tmp_path, monkeypatch):
+    from dagrl.extras import MissingExtraError
+
+    monkeypatch.setitem(sys.modules, "wandb", None)   # as if not installed
+    run_dir = tmp_path / "run"
+    cfg = load_config(Config, None, [*SMALL, "logging.backends=[console,wandb]",
+                                     f"trainer.run_dir={run_dir}"])
+    with pytest.raises(MissingExtraError, match=r"'wandb' package is not installed: pip install "
+                                                r"'dagrl\[wandb\]'"):
+        launch(cfg)
+    assert not run_dir.exists()
+
+
+def test_a_missing_data_file_is_named_before_torch_loads(tmp_path):
+    """The path check runs when the config is read: no torch or transformers import (seconds)
+    before a typo in a path is reported."""
+    import subprocess
+
+    missing = tmp_path / "missing.parquet"
+    code = ("import sys; from dagrl.train import main; "
+            f"rc = main(['data.train_files=[{missing}]', 'trainer.run_dir={tmp_path / 'run'}']); "
+            "print(rc, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.stdout.split() == ["1", "False", "False"], proc.stderr
+    assert proc.stderr.strip() == (f"error: {missing}: no such parquet file "
+                                   "(listed in data.train_files)")
+    assert not (tmp_path / "run").exists()

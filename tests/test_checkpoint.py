@@ -16,6 +16,7 @@ import torch
 
 from dagrl.config.presets import load_run_config
 from dagrl.config.schema import Config
+from dagrl.file_modes import current_umask
 from dagrl.runtime import checkpoint as ckpt
 from dagrl.runtime.checkpoint import CheckpointError, list_checkpoints
 from dagrl.runtime.launch import launch
@@ -160,6 +161,13 @@ def test_export_loads_in_transformers_and_generates_like_the_actor(tmp_path):
     assert "quantization_config" not in saved
     out = export_checkpoint(tmp_path / "run", tmp_path / "hf")
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    # readable as the umask says (safetensors writes 0600), with a model card beside the files
+    mask = current_umask()
+    assert {f.name: oct(f.stat().st_mode & 0o777) for f in out.iterdir()} == {
+        f.name: oct(0o666 & ~mask) for f in out.iterdir()}
+    card = (out / "README.md").read_text()
+    assert "step 3" in card and "- algorithm: `grpo`" in card and "| reward/mean |" in card
+    assert "dagrl train config.yaml" in card and "total_steps: 3" in card
     # a checkpoint written before that fix (and before manifests) still exports a plain model
     hf_config = next((tmp_path / "run").rglob("hf/config.json"))
     hf_config.write_text(json.dumps({**saved, "quantization_config": gguf}))
@@ -184,6 +192,45 @@ def test_export_loads_in_transformers_and_generates_like_the_actor(tmp_path):
     assert torch.equal(ours, trained)
     with pytest.raises(FileExistsError):
         export_checkpoint(tmp_path / "run", out)
+
+
+def test_made_datasets_are_readable_as_the_umask_says(tmp_path):
+    from dagrl.data.makers import make_arith
+
+    for path in make_arith(tmp_path / "arith", seed=0).values():
+        assert path.stat().st_mode & 0o777 == 0o666 & ~current_umask()   # mkstemp's is 0600
+
+
+def test_export_of_a_run_without_checkpoints_names_the_key(tmp_path, capsys):
+    from dagrl.export import main as export_main
+
+    launch(config(tmp_path / "run", "trainer.total_steps=1"))
+    capsys.readouterr()
+    assert export_main([str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
+    assert "train with trainer.save_every=N" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_an_empty_val_files_turns_validation_off_and_says_so(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    launch(config(run_dir, "trainer.total_steps=2", "trainer.val_every=1",
+                  "trainer.val_before_train=true", "data.val_files=[]"))
+    printed = capsys.readouterr().out
+    assert "validation off: data.val_files is empty" in printed
+    # where the run writes, said when it starts and again when it ends
+    assert f"[dagrl] run directory: {run_dir}\n" in printed
+    assert f"[dagrl] done; run directory: {run_dir} (dagrl report {run_dir}; no checkpoint: " \
+           "trainer.save_every=N writes them)" in printed
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2]
+    assert not any(k.startswith("val/") for r in metrics(run_dir) for k in r)
+
+
+def test_validation_shows_a_bar_of_its_own(tmp_path, capsys):
+    launch(load_run_config(None, [f"trainer.run_dir={tmp_path / 'run'}", *FAST[1:],
+                                  "trainer.total_steps=1", "trainer.val_before_train=true",
+                                  "data.val_files=[builtin:arith]"]))   # the bar is on
+    err = capsys.readouterr().err
+    assert "validate" in err and "prompt" in err    # tqdm: "validate: ... 41/41 [...prompt/s]"
 
 
 def test_validation_metrics_before_and_during_training(tmp_path):

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1] / "dagrl"
 
 # Lowest first; a module may import from its own layer and the layers before it.
 LAYERS = [
-    ["registry", "device", "extras"],
+    ["registry", "device", "extras", "file_modes"],
     ["config"],
     ["data"],
     ["dag"],
@@ -29,7 +29,7 @@ LAYERS = [
     ["engines"],
     ["roles"],
     ["runtime"],
-    ["cli", "train", "export", "__init__"],
+    ["cli", "train", "export", "api", "__init__"],
 ]
 LAYER_OF = {name: i for i, names in enumerate(LAYERS) for name in names}
 

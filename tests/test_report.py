@@ -23,8 +23,7 @@ from dagrl.runtime.launch import launch
 
 HAS_MLFLOW = importlib.util.find_spec("mlflow") is not None
 STEPS = 3
-PLOT_IDS = ["reward", "kl", "entropy", "response_length", "node_time", "straggler",
-            "throughput", "memory"]
+PLOT_IDS = ["reward", "kl", "entropy", "response_length", "node_time", "throughput", "memory"]
 
 
 @pytest.fixture(scope="module")
@@ -163,6 +162,9 @@ def test_report_has_every_plot_the_dag_config_and_trace(run_dir):
         (src,) = parser.plots[pid]
         assert src.startswith("data:image/png;base64,") and len(src) > 2000, pid
     assert parser.plots["validation"] == []             # this run did not validate
+    # one worker: no straggler panel of zeros, a line saying why
+    assert parser.plots["straggler"] == [] and "0 at every step (one rank" in html
+    assert "tiny_hidden_size" not in html               # the built-in model is already written
     # self-contained: no outside resources, the DAG as inline SVG naming every node
     assert not re.search(r"""(src|href)=['"](?!data:|https://ui.perfetto.dev)""", html)
     assert parser.svgs == 1 and all(f'data-node="{n}"' in html for n in
@@ -226,3 +228,38 @@ def test_report_plots_validation_scores_and_survives_a_bare_run_dir(tmp_path):
     assert reward_component_keys(rows) == ["reward/acc"]
     assert len(parser.plots["reward_components"]) == 1
     assert str(tmp_path) not in html            # no absolute path of the writer's machine
+    # validation time counted: the step-0 validation took 1 of the 3 s
+    assert "<b>time validating</b> 1 s (33% of the steps + validation)" in html
+    from dagrl.observe.report import _node_times
+
+    labels = [t.get_text() for t in _node_times(rows, None).axes[0].get_legend().get_texts()]
+    assert "validation" in labels
+
+
+def test_the_step_line_shows_every_policy_and_the_tool_failures(capsys):
+    from dagrl.observe.loggers import ConsoleLogger
+
+    console = ConsoleLogger(total_steps=2, start_step=0, every=1, progress_bar=False)
+    console.log(1, {"reward/mean": 0.25, "refiner/reward/mean": 0.5, "tools/errors": 3.0,
+                    "val/refiner/reward/mean": 0.1})
+    line = capsys.readouterr().out.strip()
+    assert line == "step 1: reward=0.25  tool_err=3  refiner:reward=0.5"
+
+
+def test_the_driver_draws_the_console_from_the_metrics_file(tmp_path, capsys):
+    """Under Ray the driver shows the lead worker's steps from metrics.jsonl: only what is
+    appended after it starts (a resumed run's earlier lines are not shown again), a line cut
+    mid-write waits for its end, a damaged line is skipped."""
+    from dagrl.observe.loggers import MetricsFileConsole
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(json.dumps({"step": 1, "reward/mean": 0.1}) + "\n")   # before the resume
+    console = MetricsFileConsole(path, LoggingConfig(console_every=1, progress_bar=False), 4)
+    with path.open("a") as f:
+        f.write(json.dumps({"step": 2, "reward/mean": 0.25}) + "\n" + '{"step": 3, "rew')
+    console.poll()
+    assert capsys.readouterr().out == "step 2: reward=0.25\n"
+    with path.open("a") as f:
+        f.write('ard/mean": 0.5}\nnot json\n' + json.dumps({"step": 4, "reward/mean": 1}) + "\n")
+    console.close()
+    assert capsys.readouterr().out == "step 3: reward=0.5\nstep 4: reward=1\n"

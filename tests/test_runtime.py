@@ -75,7 +75,8 @@ def test_torchrun_two_workers_match_one_worker_with_reward_on_one_rank_and_memor
 
 
 @pytest.mark.slow
-def test_ray_two_workers_match_and_a_failing_worker_stops_the_run(tmp_path, one_worker_run):
+def test_ray_two_workers_match_and_a_failing_worker_stops_the_run(tmp_path, one_worker_run,
+                                                                   capfd):
     from dagrl.runtime.ray_launcher import WorkerFailed
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -87,6 +88,11 @@ def test_ray_two_workers_match_and_a_failing_worker_stops_the_run(tmp_path, one_
     assert all(isinstance(v, float) for step in history for v in step.values())
     assert_same_run(metrics(run_dir), one_worker_run)
     assert metrics(run_dir)[0]["batch/max_samples_per_rank"] == 128   # half of 32 prompts x 8
+    # The driver draws the step lines from metrics.jsonl: no worker prints (and Ray forwards,
+    # prefixed with the worker's pid) a console of its own.
+    lines = capfd.readouterr().out.splitlines()
+    assert any(line.startswith("step 1: reward=") for line in lines), lines
+    assert not any("step 1:" in line and "pid=" in line for line in lines), lines
 
     bad = tmp_path / "rank1_fails.py"
     bad.write_text("import os\n"

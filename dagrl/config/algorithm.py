@@ -1,8 +1,8 @@
 """The `algorithm` section: which estimator, policy loss, aggregation and KL terms a run uses
 (verl's names; docs/algorithms.md lists them), their settings, and the rollout correction.
 
-Registered names are checked at load by `dagrl.train.check_registered_names` (the registries
-live in dagrl/algorithms, above this layer); what can be checked here is checked in
+Registered names are checked at load by `check_registered_names` (dagrl/runtime/config_names.py;
+the registries live in dagrl/algorithms, above this layer); what can be checked here is checked in
 `__post_init__`, with messages that start with the field name.
 """
 
@@ -67,7 +67,7 @@ class RolloutCorrectionConfig:
         _check(bool(self.rollout_rs) == (str(self.rollout_rs_threshold).strip() != ""),
                "rollout_rs and rollout_rs_threshold go together: set both or neither")
         # The option names and per-option thresholds are checked against the registry at load
-        # (dagrl.train.check_registered_names), above this layer.
+        # (dagrl.runtime.config_names.check_registered_names), above this layer.
 
     @property
     def active(self) -> bool:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import json
 import re
 import types
 import typing
@@ -320,6 +321,18 @@ def parse_overrides(overrides: Sequence[str]) -> dict:
             node = child
         node[parts[-1]] = value
     return out
+
+
+def render_value(value: Any) -> str:
+    """A Python value as the text after `key=` that parse_overrides reads back as it."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return "null"
+    if isinstance(value, list | tuple | dict):
+        return json.dumps(list(value) if isinstance(value, tuple) else value)
+    text = str(value)
+    return text if not text or _yaml_load(text) == value else json.dumps(text)
 
 
 def with_defaults(defaults: Sequence[str], overrides: Sequence[str]) -> list[str]:

@@ -96,8 +96,11 @@ class DataConfig:
     # The last, incomplete batch of an epoch: dropped (and counted in the log) or padded with
     # prompts from the start of the next epoch's order.
     tail: Literal["drop", "pad"] = "drop"
+    # Images of verl's multimodal rows (an `images` column, `<image>` in the prompt) with more
+    # pixels are refused by file, row and column (Qwen2.5-VL's processor default max_pixels).
+    max_image_pixels: int = 1280 * 28 * 28
     # The validation split (same layout; `builtin:arith` is the test split of the built-in task),
-    # used when trainer.val_every > 0 or trainer.val_before_train.
+    # used when trainer.val_every > 0 or trainer.val_before_train; [] turns validation off.
     val_files: list[str] = field(default_factory=list)
     # Validation prompts generated at once on one worker.
     val_batch_size: int = 64
@@ -107,6 +110,7 @@ class DataConfig:
         _check(self.val_batch_size > 0, "val_batch_size must be > 0")
         _check(self.train_batch_size > 0, "train_batch_size must be > 0")
         _check(self.max_prompt_length > 0, "max_prompt_length must be > 0")
+        _check(self.max_image_pixels >= 0, "max_image_pixels must be >= 0 (0: no limit)")
 
 
 @dataclass
@@ -332,6 +336,8 @@ class CriticConfig(OptimConfig):
     max_tokens_per_micro_batch: int = 0     # as actor.max_tokens_per_micro_batch
     ppo_epochs: int = 1
     cliprange_value: float = 0.5    # PPO2 value clipping around the old values
+    # Recompute each decoder layer in backward, as actor.activation_checkpointing.
+    activation_checkpointing: bool = False
     # The critic's shards, gradients and AdamW state in host memory; as actor.offload.
     offload: bool = False
 
@@ -442,7 +448,8 @@ class TrainerConfig:
     # micro-batch: +0.29 vs +0.69 GiB RSS). Pages are faulted in again: 10-15% more update
     # time. No effect on accelerators.
     trim_host_memory: bool = False
-    # Validation every this many steps (and after the last); 0 disables. Needs data.val_files.
+    # Validation every this many steps (and after the last); 0 disables. Reads data.val_files
+    # (empty: no validation, whatever this and val_before_train say).
     val_every: int = 0
     val_before_train: bool = False
     # A checkpoint every this many steps (and after the last); 0 disables checkpoints.
@@ -587,9 +594,6 @@ class Config:
         # rollout.backend's own refusals (vLLM and GGUF or float64, a server without URLs or a
         # frozen policy, async with a backend that cannot serve it) are the backend class's
         # `check_config` (dagrl/rollout/), run by `dagrl.rollout.rollout_backend`.
-        _check(not (self.trainer.val_every or self.trainer.val_before_train)
-               or bool(self.data.val_files),
-               "trainer.val_every / trainer.val_before_train need data.val_files")
         self._check_reward_source()
         _check_async(self)
         _check_multi_turn(self)
@@ -629,6 +633,13 @@ class Config:
     @property
     def is_async(self) -> bool:
         return self.trainer.mode == "async"
+
+    @property
+    def validates(self) -> bool:
+        """Validation is asked for (trainer.val_every or val_before_train) and has data: an
+        empty data.val_files is the one switch that turns it off (the worker says so)."""
+        return bool(self.trainer.val_every or self.trainer.val_before_train) and \
+            bool(self.data.val_files)
 
 
 def _check_multi_turn(cfg: Config) -> None:

@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from dagrl.data.errors import DatasetError
+from dagrl.data.images import IMAGE_COLUMN, image_problem
 
 TEXT_HINT = "expected UTF-8 text (a parquet string column)"
 
@@ -99,16 +100,22 @@ def prompt_problem(prompt: Any, prompt_key: str) -> str:
 
 
 def check_rows(rows: Iterable[tuple[int, dict]], prompt_key: str,
-               text_ground_truth: bool) -> dict[str, str]:
+               text_ground_truth: bool, max_image_pixels: int = 0) -> dict[str, str]:
     """Values of (global row index, row) pairs read by ParquetPrompts (each with its `_file`):
     the first problem is raised, naming file, row and column. Returns each data_source seen,
-    with the file and row of its first appearance (for the caller's scorer check)."""
+    with the file and row of its first appearance (for the caller's scorer check). Rows with
+    an `images` column: their images decode, one `<image>` per image, none above
+    `max_image_pixels` (data/images.py)."""
     sources: dict[str, str] = {}
     for index, row in rows:
         where = f"{row['_file']}: row {index}"
         problem = prompt_problem(row.get(prompt_key), prompt_key)
         if problem:
             raise DatasetError(f"{where} {problem}")
+        if IMAGE_COLUMN in row:
+            problem = image_problem(row[IMAGE_COLUMN], row.get(prompt_key), max_image_pixels)
+            if problem:
+                raise DatasetError(f"{where}, {problem}")
         if not isinstance(row.get("data_source"), str):
             raise DatasetError(f"{where} has data_source {row.get('data_source')!r}; "
                                f"{TEXT_HINT}")

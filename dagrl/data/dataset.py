@@ -26,6 +26,8 @@ import torch
 from dagrl.data.batch import Batch
 from dagrl.data.checks import check_nulls, check_rows, check_schema_types, prompt_problem
 from dagrl.data.errors import DatasetError
+from dagrl.data.images import IMAGE_COLUMN
+from dagrl.data.listed_files import missing_file_error
 
 REQUIRED_COLUMNS = ("data_source", "reward_model")
 LAYOUT_HINT = ("verl layout: the prompt column (data.prompt_key), data_source, "
@@ -49,13 +51,15 @@ class ParquetPrompts:
     """
 
     def __init__(self, files: Sequence[str], prompt_key: str = "prompt", cache_row_groups: int = 64,
-                 config_key: str = "data.train_files", text_ground_truth: bool = False):
+                 config_key: str = "data.train_files", text_ground_truth: bool = False,
+                 max_image_pixels: int = 0):
         if not files:
             raise DatasetError(f"{config_key} is empty")
         self.files = [str(f) for f in files]
         self.prompt_key, self.config_key = prompt_key, config_key
         # The built-in scorers need text ground truths; a user's reward function may take any.
         self.text_ground_truth = text_ground_truth
+        self.max_image_pixels = max_image_pixels   # data.max_image_pixels (0: no limit)
         self.columns = [prompt_key, *REQUIRED_COLUMNS]
         self._optional: list[list[str]] = []   # per file: the optional columns it has
         self._groups: list[_RowGroup] = []
@@ -64,7 +68,8 @@ class ParquetPrompts:
         for fi, path in enumerate(self.files):
             pf = self._open(fi)
             self._check_schema(path, pf.schema_arrow)
-            self._optional.append([c for c in ("extra_info",) if c in pf.schema_arrow.names])
+            self._optional.append([c for c in ("extra_info", IMAGE_COLUMN)
+                                   if c in pf.schema_arrow.names])
             for gi in range(pf.metadata.num_row_groups):
                 rows = pf.metadata.row_group(gi).num_rows
                 if rows:
@@ -77,6 +82,8 @@ class ParquetPrompts:
         self._cache: OrderedDict[tuple[int, int], list[dict]] = OrderedDict()
         self._cache_size = cache_row_groups
         self.row_groups_read = 0   # for tests and logs: how much I/O this worker did
+        # verl's multimodal layout (data/images.py): some file has an images column
+        self.has_images = any(IMAGE_COLUMN in names for names in self._optional)
 
     def _check_schema(self, path: str, schema: pa.Schema) -> None:
         names = schema.names
@@ -98,7 +105,7 @@ class ParquetPrompts:
         if fi not in self._handles:
             path = self.files[fi]
             if not Path(path).is_file():
-                raise DatasetError(f"{path}: no such parquet file (listed in {self.config_key})")
+                raise missing_file_error(path, self.config_key)
             try:
                 self._handles[fi] = pq.ParquetFile(path)
             except Exception as err:  # pyarrow raises several types for a corrupt file
@@ -137,7 +144,7 @@ class ParquetPrompts:
         the first bad value are named. Returns the data_sources seen (-> "file: row i")."""
         indices = list(range(min(rows, len(self))))
         return check_rows(zip(indices, self.read(indices), strict=True), self.prompt_key,
-                   self.text_ground_truth)
+                          self.text_ground_truth, self.max_image_pixels)
 
     def check_nulls(self) -> None:
         """No null prompt, data_source or (built-in scorers) ground truth in any row of any

@@ -23,6 +23,7 @@ import pyarrow as pa
 from dagrl.data.agent_tasks import make_guess_number, make_tool_calc
 from dagrl.data.gsm8k_synth import make_gsm8k_synth, make_gsm8k_synth_1step
 from dagrl.data.parquet_write import check_int, write_parquet_atomic
+from dagrl.data.shapes import make_shapes
 
 ARITH_OPS = "+-*"
 
@@ -120,4 +121,5 @@ MAKERS: dict[str, Callable[..., dict[str, Path]]] = {"arith": make_arith,
                                                     "gsm8k-synth": make_gsm8k_synth,
                                                     "gsm8k-synth-1step": make_gsm8k_synth_1step,
                                                     "tool-calc": make_tool_calc,
-                                                    "guess-number": make_guess_number}
+                                                    "guess-number": make_guess_number,
+                                                    "shapes": make_shapes}

@@ -9,6 +9,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from dagrl.file_modes import apply_umask
+
 
 def check_int(name: str, value: object, minimum: int) -> None:
     # bool is an int subclass, but `n_test=True` is a bug, not a count
@@ -27,6 +29,7 @@ def write_parquet_atomic(table: pa.Table, path: str | Path, *, row_group_size: i
     os.close(fd)
     try:
         pq.write_table(table, tmp, row_group_size=row_group_size)
+        apply_umask(tmp)   # mkstemp made it 0600
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -80,6 +80,14 @@ class Engines:
     # Where the actor's new weights go after an update: this worker's rollout engine (None), or
     # a channel to the rollout ranks of an async run (engines/weight_channel.WeightSender).
     weight_sink: object | None = None
+    logged_once: set[str] = field(default_factory=set)
+
+    def log_once(self, key: str, message: str) -> None:
+        """`message` the first time `key` is logged in this run; later ones are counted in the
+        metrics and the step line instead (a line per step would bury the progress)."""
+        if key not in self.logged_once:
+            self.logged_once.add(key)
+            self.log(message)
 
     def write_hf_files(self, out: Path) -> None:
         """What `dagrl export` needs beside a checkpoint's weights: the actor's model config
@@ -272,6 +280,8 @@ class _Build:
         cfg, m = self.cfg, self.cfg.model
         model = load_value_model(cfg.critic.path or m.path, self.layout.param_dtype, self.device,
                                  m.attn_implementation)
+        if cfg.critic.activation_checkpointing:
+            checkpoint_activations(model)
         return CriticEngine(self.shard(model, "critic"), cfg.critic, self.layout,
                             loss_agg_mode=cfg.algorithm.loss_agg_mode)
 

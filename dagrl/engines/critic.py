@@ -7,6 +7,7 @@ from collections.abc import Mapping
 
 import torch
 from transformers import AutoModelForTokenClassification
+from transformers.utils import logging as hf_logging
 
 from dagrl.algorithms.loss_agg import agg_loss
 from dagrl.algorithms.value_loss import clipped_value_loss
@@ -25,9 +26,24 @@ def load_value_model(path: str, dtype: str, device: torch.device,
     """A causal-LM checkpoint as a value model: the same backbone with a new scalar head
     (`*ForTokenClassification` with one label: one value per position)."""
     check_model_dir(path, "")
-    model = AutoModelForTokenClassification.from_pretrained(
-        path, num_labels=1, dtype=DTYPES[dtype], local_files_only=True,
-        attn_implementation=resolve_attn_implementation(attn_implementation, device))
+    # transformers prints a LOAD REPORT table naming the new head MISSING (and an untied LM
+    # head UNEXPECTED) on every load of a causal LM as a value model: by design here, so the
+    # table is silenced and any other key is named in one line instead.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            path, num_labels=1, dtype=DTYPES[dtype], local_files_only=True,
+            attn_implementation=resolve_attn_implementation(attn_implementation, device),
+            output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    other = sorted({*(k for k in info["missing_keys"] if not k.startswith("score.")),
+                    *(k for k in info["unexpected_keys"] if not k.startswith("lm_head."))})
+    if other:
+        print(f"[dagrl] warning: value model {path}: weights missing or unused besides the new "
+              f"value head: {', '.join(other[:8])}{' ...' if len(other) > 8 else ''}",
+              flush=True)
     _disable_dropout(model)
     return model.to(device)
 

@@ -370,7 +370,7 @@ def _transient_lines(cfg: Config, shape: ModelShape, layout: EngineLayout,
     kv_per_token = 2 * shape.layers * shape.kv_heads * shape.head_dim * rb
     train_rows = d.train_batch_size // rollout_layout.side_size * r.n
     val_rows = d.val_batch_size * r.val_n
-    rows = max(train_rows, val_rows) if cfg.trainer.val_every or cfg.trainer.val_before_train \
+    rows = max(train_rows, val_rows) if cfg.validates \
         else train_rows
     seq = d.max_prompt_length + r.max_new_tokens
     if rollout_owns_memory(cfg):   # the engine's own pool

@@ -13,6 +13,7 @@ Non-finite values are left out (none of the three stores NaN consistently).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import math
 import os
 import time
@@ -31,6 +32,21 @@ def require(module: str, extra: str):
         raise MissingExtraError(
             f"logging.backends includes {extra!r} but the {module!r} package is not installed: "
             f"pip install 'dagrl[{extra}]'") from err
+
+
+# logging.backends -> the package each needs (console and jsonl need none).
+BACKEND_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
+
+
+def check_backends_installed(cfg: LoggingConfig) -> None:
+    """Each selected backend's package can be imported (found, not imported: wandb's import
+    alone takes seconds); raised by the pre-flight, before anything is written."""
+    for backend in cfg.backends:
+        package = BACKEND_PACKAGES.get(backend)
+        if package is not None and importlib.util.find_spec(package) is None:
+            raise MissingExtraError(
+                f"logging.backends includes {backend!r} but the {package!r} package is not "
+                f"installed: pip install 'dagrl[{backend}]' (or leave {backend!r} out)")
 
 
 def finite(metrics: dict[str, float]) -> dict[str, float]:

@@ -20,7 +20,7 @@ from dagrl.observe.run_files import naming_path
 # The metrics shown on the console line, in this order, with their short labels.
 CONSOLE_KEYS = [("reward/mean", "reward"), ("response/length/mean", "len"), ("actor/kl", "kl"),
                 ("actor/entropy", "ent"), ("actor/grad_norm", "gnorm"), ("timing/step_s", "s/step"),
-                ("throughput/tokens_per_s", "tok/s")]
+                ("throughput/tokens_per_s", "tok/s"), ("tools/errors", "tool_err")]
 
 
 class JsonlLogger:
@@ -70,6 +70,9 @@ class ConsoleLogger:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         shown = {label: metrics[key] for key, label in CONSOLE_KEYS if key in metrics}
+        # Every other policy's reward (`models.<name>`: its metrics carry the prefix "<name>/").
+        shown.update({f"{key[:-len('/reward/mean')]}:reward": v for key, v in metrics.items()
+                      if key.endswith("/reward/mean") and not key.startswith("val/")})
         # Validation scores (val/<data_source>/score, pass@n, maj@n) whenever a step has them.
         validated = {key[len("val/"):]: v for key, v in metrics.items()
                      if key.startswith("val/") and key.rsplit("/", 1)[-1].startswith(
@@ -85,6 +88,45 @@ class ConsoleLogger:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+class MetricsFileConsole:
+    """The console of a run whose lead worker is another process on this host (Ray actors):
+    the driver draws the progress bar and the step lines from RUN_DIR/metrics.jsonl as the lead
+    appends to it — one bar on the terminal, not each worker's stderr forwarded line by line."""
+
+    def __init__(self, path: Path, cfg: LoggingConfig, total_steps: int) -> None:
+        self.path, self.cfg, self.total_steps = path, cfg, total_steps
+        # A resumed run's file already holds the earlier steps: only what is appended counts.
+        self.position = path.stat().st_size if path.exists() else 0
+        self.pending = b""
+        self.console: ConsoleLogger | None = None   # made at the first record: its step
+
+    def poll(self) -> None:
+        """Show the records appended since the last poll."""
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.position)
+                chunk = f.read()
+        except FileNotFoundError:
+            return
+        self.position += len(chunk)
+        *lines, self.pending = (self.pending + chunk).split(b"\n")
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:   # metrics.jsonl's readers name damaged lines; the bar skips them
+                continue
+            step = int(record.pop("step", 0))
+            if self.console is None:
+                self.console = ConsoleLogger(self.total_steps, max(step - 1, 0),
+                                             self.cfg.console_every, self.cfg.progress_bar)
+            self.console.log(step, record)
+
+    def close(self) -> None:
+        self.poll()
+        if self.console is not None:
+            self.console.close()
 
 
 class RunLogger:

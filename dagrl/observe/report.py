@@ -124,7 +124,11 @@ def _node_times(rows, task_names):
     keys = node_time_keys(rows, task_names)
     if not keys:
         return None
-    rows = [r for r in rows if "timing/step_s" in r]   # not a validation-only row (step 0)
+    # Validation and the weight sync take time outside the plan's tasks (a real model's
+    # validation can be most of a run): bands of their own, the step-0 validation included.
+    keys += [k for k in ("timing/weight_sync_s", "timing/validation_s")
+             if any(r.get(k) for r in rows)]
+    rows = [r for r in rows if "timing/step_s" in r or r.get("timing/validation_s")]
     fig, ax = _figure()
     steps = [r["step"] for r in rows]
     stacks = [[float(r.get(k) or 0.0) for r in rows] for k in keys]
@@ -139,8 +143,14 @@ def _node_times(rows, task_names):
     return fig
 
 
+def _all_zero(rows, keys: list[str]) -> bool:
+    return all(not r.get(k) for r in rows for k in keys)
+
+
 def _spread(rows, task_names):
     keys = [k[:-2] + "_spread_s" for k in node_time_keys(rows, task_names)]
+    if keys and _all_zero(rows, keys):
+        return "0 at every step (one rank: nothing to straggle behind)"
     return _lines(rows, [(k, k[len("timing/"):-len("_spread_s")]) for k in keys],
                   "max - min over ranks (s)")
 
@@ -171,7 +181,10 @@ def _memory(rows, task_names):
             ("memory/estimated_peak_gb", "estimated peak (dagrl plan --memory)")]
     after = "host, after" if per_node == "host" else "device peak"
     keys += [(f"memory/{n}_{per_node}_gb", f"{n} ({after})") for n in names]
-    return _lines(rows, keys, "GiB (max over ranks)")
+    fig = _lines(rows, keys, "GiB (max over ranks)")
+    if fig is not None:   # many lines: the legend beside the axes, not over the curves
+        fig.axes[0].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    return fig
 
 
 # reward/<name> metrics that are not a scorer's own component (the distribution and counts).
@@ -187,7 +200,16 @@ def reward_component_keys(rows: list[dict]) -> list[str]:
 
 def _reward_components(rows, _):
     keys = reward_component_keys(rows)
-    return _lines(rows, [(k, k[len("reward/"):]) for k in keys], "mean") if keys else None
+    zero = [k for k in keys if _all_zero(rows, [k])]
+    drawn = [k for k in keys if k not in zero]
+    if not drawn:
+        return (f"{', '.join(k[len('reward/'):] for k in zero)}: 0 at every step"
+                if zero else None)
+    fig = _lines(rows, [(k, k[len("reward/"):]) for k in drawn], "mean")
+    if zero:   # named, not drawn as a line along the axis
+        fig.axes[0].set_title(f"0 at every step: {', '.join(k[len('reward/'):] for k in zero)}",
+                              fontsize=8)
+    return fig
 
 
 def _validation(rows, _):
@@ -269,9 +291,21 @@ def _trace_tables(run_dir: Path) -> str:
             f"<th>total ms</th></tr>{op_rows}</table>")
 
 
+def _shown_config(text: str) -> str:
+    """The resolved config without model.tiny_*: they size the built-in tiny model, already
+    written and named by model.path in a resolved config (noise beside a real model)."""
+    return "\n".join(line for line in text.splitlines()
+                     if not line.startswith("  tiny_")) + "\n"
+
+
 def _summary(rows: list[dict]) -> str:
     last = rows[-1]
     items = [("steps logged", str(len(rows)))]
+    validation = sum(float(r.get("timing/validation_s") or 0.0) for r in rows)
+    if validation:
+        total = validation + sum(float(r.get("timing/step_s") or 0.0) for r in rows)
+        items.append(("time validating", f"{validation:.0f} s ({validation / total:.0%} of "
+                                         "the steps + validation)"))
     for key, label in (("reward/mean", "final reward"), ("timing/step_s", "last step (s)"),
                        ("throughput/tokens_per_s", "last tokens/s"), ("perf/mfu", "last MFU")):
         value = last.get(key)
@@ -313,14 +347,14 @@ def render_report(run_dir: str | Path, plan_for: PlanFor | None = None,
     plots = []
     for pid, title, caption, draw in PLOTS:
         fig = draw(rows, task_names)
-        if fig is None:
-            body = "<p class='missing'>not recorded in this run</p>"
+        if fig is None or isinstance(fig, str):
+            body = f"<p class='missing'>{escape(fig or 'not recorded in this run')}</p>"
         else:
             body = f"<img alt='{escape(title)}' src='data:image/png;base64,{_png(fig)}'>"
         plots.append(f"<div class='plot' id='plot-{pid}'><h3>{escape(title)}</h3>"
                      f"<p>{escape(caption)}</p>{body}</div>")
     config = run_dir / "config.resolved.yaml"
-    config_text = (config.read_text(errors="replace") if config.exists()
+    config_text = (_shown_config(config.read_text(errors="replace")) if config.exists()
                    else "(no config.resolved.yaml)")
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>dagrl report: "
             f"{escape(run_dir.name)}</title><style>{CSS}</style></head><body>"

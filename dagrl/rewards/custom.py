@@ -18,6 +18,18 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
+# Callables handed over in this process (the Python API's reward_fn defined in a notebook or in
+# a script's __main__, which no other process can import): spec "in-process:<name>".
+IN_PROCESS_PREFIX = "in-process:"
+_in_process: dict[str, Callable] = {}
+
+
+def in_process_spec(fn: Callable) -> str:
+    """A spec that `load_function` resolves to `fn`, in this process only."""
+    name = f"{getattr(fn, '__qualname__', type(fn).__name__)}@{id(fn):x}"
+    _in_process[name] = fn
+    return IN_PROCESS_PREFIX + name
+
 
 def _is_file_spec(target: str) -> bool:
     return target.endswith(".py") or "/" in target or "\\" in target
@@ -56,6 +68,12 @@ def load_function(spec: str, what: str = "reward function", isolated: bool = Fal
     ``isolated``: a file is imported afresh into a module of its own, so calls to the function
     returned (the pre-flight's probe) leave the state of the one training calls untouched.
     """
+    if spec.startswith(IN_PROCESS_PREFIX):
+        fn = _in_process.get(spec[len(IN_PROCESS_PREFIX):])
+        if fn is None:
+            raise ValueError(f"{what} {spec!r} was handed to dagrl.train in another process; "
+                             "it runs only there (one worker, reward.num_workers=0)")
+        return fn
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
         raise ValueError(

@@ -137,7 +137,8 @@ def gsm8k_numeric_answer(solution_str: str) -> float | None:
         return None
 
 
-@SCORERS.register("gsm8k_numeric")
+# also the built-in shapes task's (data/shapes.py): its answers are numbers too
+@SCORERS.register("gsm8k_numeric", "shapes")
 def gsm8k_numeric_score(solution_str: str, ground_truth: str,
                         extra_info: dict | None = None) -> float:
     """The last number in the response compared by value: 1.0 if it equals the ground truth,

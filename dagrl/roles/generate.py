@@ -132,8 +132,9 @@ def _multi_turn(ctx: NodeContext, batch: Batch, params: SamplingParams) -> Batch
     for name, count in out.calls_by_tool.items():
         m.add_sum(f"tools/calls/{name}", count)
     if out.first_error:
-        ctx.engines.log(f"rollout: {int(out.tool_errors.sum())} failed tool call(s) counted; "
-                        f"first: {out.first_error}")
+        ctx.engines.log_once("tool_error", f"rollout: a tool call failed: {out.first_error} "
+                             "(counted from here on: tool_err on the step line, tools/errors "
+                             "in the metrics)")
     return batch
 
 

@@ -11,7 +11,7 @@ its own module; it declares its capabilities and its refusals, and builds its en
 
 The config layer cannot see this registry (config/ sits below rollout/), so it takes
 `rollout.backend` as any string; the name and the backend's own checks are run here, by
-`rollout_backend`, which the load-time check (`dagrl.train.check_registered_names`), the
+`rollout_backend`, which the load-time check (`runtime/config_names.check_registered_names`), the
 planner (`roles/plan.py`) and `build_rollout` all call: a bad name or a refused combination is
 an error naming the key before any model loads.
 """

@@ -98,10 +98,13 @@ class Failure:
                    user, first, isinstance(err, PeerFailed))
 
     def line(self) -> str:
+        """`error: [rank r: ]message`; a bug's line also names the exception's type (a user
+        error's message says what is wrong, the type adds nothing)."""
         where = f"rank {self.rank}: " if self.rank is not None else ""
+        kind = "" if self.user else f"{self.kind}: "
         after = (f" (after rank {self.cause_rank} failed)" if self.rank is not None
                  and not self.first and self.cause_rank is not None else "")
-        return f"error: {where}{self.kind}: {one_line(self.message)}{after}"
+        return f"error: {where}{kind}{one_line(self.message)}{after}"
 
 
 def run_log_path(run_dir: Path | str | None) -> Path | None:

@@ -12,6 +12,7 @@ runtime/failures.py and names the file, column, row, key or node.
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
@@ -33,6 +34,7 @@ from dagrl.engines.models import (
     package_dir,
 )
 from dagrl.engines.tiny_reward_model import NAME as TINY_RM
+from dagrl.observe.backends import check_backends_installed
 from dagrl.registry import UnknownNameError
 from dagrl.rewards.custom import load_function
 from dagrl.rewards.manager import unpack_score
@@ -48,6 +50,7 @@ from dagrl.runtime.run_dir import RunDirError
 
 def check_inputs(cfg: Config) -> None:
     """Raise the first problem with `cfg`'s inputs; write nothing."""
+    check_backends_installed(cfg.logging)
     check_graph(cfg)
     check_model_source(cfg.model.path, cfg.model.gguf_file)
     check_model_parallel(cfg)
@@ -62,7 +65,7 @@ def check_inputs(cfg: Config) -> None:
     check_reward(cfg)
     t = cfg.trainer
     data_keys = ["train_files"]
-    if t.val_every > 0 or t.val_before_train:
+    if cfg.validates:
         data_keys.append("val_files")
     for key in data_keys:
         check_datasets(cfg, key)
@@ -167,6 +170,18 @@ def probe_reward(cfg: Config, fn) -> None:
             del os.environ[key]
 
 
+def model_reads_images(path: str) -> bool:
+    """Whether the model at `path` (a HF directory) has a vision tower: its config.json names a
+    vision_config. Built-in and GGUF models read text only."""
+    config = Path(path) / "config.json"
+    if path.startswith(BUILTIN_PREFIX) or not config.is_file():
+        return False
+    try:
+        return "vision_config" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False
+
+
 def check_datasets(cfg: Config, key: str) -> None:
     """Open `data.<key>`'s files, check their schemas and the values of their first rows; with
     the built-in scorers, also that each data_source of those rows has one."""
@@ -184,8 +199,14 @@ def check_datasets(cfg: Config, key: str) -> None:
     # validation always reports the rule score.
     rule_scored = r.source == "rule" or key == "val_files"
     source = ParquetPrompts(files, cfg.data.prompt_key, config_key=f"data.{key}",
-                            text_ground_truth=rule_scored and not r.custom_fn)
+                            text_ground_truth=rule_scored and not r.custom_fn,
+                            max_image_pixels=cfg.data.max_image_pixels)
     seen = source.check_sample(PREFLIGHT_ROWS)
+    if source.has_images and not model_reads_images(cfg.model.path):
+        # Trained on as text, the images would be dropped and "<image>" read as words.
+        raise DatasetError(f"data.{key}: {', '.join(files)} hold an images column, but "
+                           f"model.path={cfg.model.path} reads text only (an image-text model, "
+                           "e.g. of the Qwen2-VL family, reads them)")
     source.check_nulls()   # every row: a null past the sample would fail only at its step
     if rule_scored and not r.custom_fn and not r.scorer:
         for data_source, where in seen.items():

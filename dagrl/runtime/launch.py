@@ -19,7 +19,7 @@ from dagrl.runtime.distributed import init_distributed
 from dagrl.runtime.failures import Failure, log_failure, run_log_path, sigterm_exits
 from dagrl.runtime.input_checks import check_inputs
 from dagrl.runtime.ray_launcher import WorkerFailed, launch_ray
-from dagrl.runtime.run_dir import prepare_run, resolve_run_dir, with_run_dir
+from dagrl.runtime.run_dir import announce_run_dir, prepare_run, resolve_run_dir, with_run_dir
 from dagrl.runtime.run_lock import RunLock, announce_takeover
 from dagrl.runtime.worker import Worker
 
@@ -41,16 +41,23 @@ def launch(cfg: Config, outcome: Outcome | None = None) -> list[dict[str, float]
     check_inputs(cfg)
     with sigterm_exits(), RunLock(outcome.run_dir) as lock:
         announce_takeover(lock)
-        if cfg.trainer.n_workers > 1:
-            try:
-                return launch_ray(cfg)
-            except WorkerFailed:
-                outcome.log = run_log_path(outcome.run_dir)   # each worker logged its own
-                raise
+        announce_run_dir(outcome.run_dir)
+        history = _train(cfg, outcome)
+    announce_run_dir(outcome.run_dir, finished=True)
+    return history
+
+
+def _train(cfg: Config, outcome: Outcome) -> list[dict[str, float]]:
+    if cfg.trainer.n_workers > 1:
         try:
-            # The worker's device comes from trainer.device (auto: the accelerator if any), as
-            # under Ray and torchrun; a bare Worker(cfg) would train on the host.
-            return Worker(prepare_run(cfg), init_distributed(cfg.trainer.device)).train()
-        except Exception as err:
-            outcome.log = log_failure(outcome.run_dir, Failure.of(err))
+            return launch_ray(cfg)
+        except WorkerFailed:
+            outcome.log = run_log_path(outcome.run_dir)   # each worker logged its own
             raise
+    try:
+        # The worker's device comes from trainer.device (auto: the accelerator if any), as
+        # under Ray and torchrun; a bare Worker(cfg) would train on the host.
+        return Worker(prepare_run(cfg), init_distributed(cfg.trainer.device)).train()
+    except Exception as err:
+        outcome.log = log_failure(outcome.run_dir, Failure.of(err))
+        raise

@@ -44,7 +44,8 @@ def check_prompts(loaders: dict[str, PromptLoader], log: Callable[[str], None]) 
 def check_cpu_threads(torch_threads: int, workers_here: int, log: Callable[[str], None],
                       window_s: float = 0.25, async_trainer_threads: int = 0) -> None:
     """Warn when this host's CPUs are oversubscribed: by our own workers' threads, or (one
-    worker on the host) by other processes busy right now, measured over `window_s`. Async
+    worker on the host) by other processes busy right now, measured over `window_s`; in that
+    last case with trainer.torch_threads=0 (auto), use only the free cores instead. Async
     trainer ranks may take more (`async_trainer_threads`) if their threads sleep while they
     wait for a core."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
@@ -61,6 +62,15 @@ def check_cpu_threads(torch_threads: int, workers_here: int, log: Callable[[str]
         return
     others = busy_cores_of_others(window_s) if workers_here == 1 else 0.0
     if others >= 0.5 and threads + others > cores:
+        free = max(1, round(cores - others))
+        if not torch_threads and free < threads:
+            # Auto threads: take the free cores only. A torch thread on a busy core makes every
+            # parallel region wait for it (a step took 40x the CPU time with 2 threads and one
+            # core busy): one thread is never slower than that.
+            torch.set_num_threads(free)
+            log(f"other processes keep {others:.1f} of {cores} cores busy: {free} torch "
+                f"thread(s) instead of {threads} (trainer.torch_threads=N chooses)")
+            return
         log(f"warning: other processes keep {others:.1f} of {cores} cores busy while this run "
             f"wants {threads} threads: every step will be slower (lower "
             "trainer.torch_threads, or stop the other jobs)")

@@ -35,7 +35,13 @@ from dagrl.runtime.failures import (
 )
 from dagrl.runtime.input_checks import check_inputs
 from dagrl.runtime.reaper import proc_stat
-from dagrl.runtime.run_dir import prepare_run, resolve_run_dir, with_run_dir, write_pid_file
+from dagrl.runtime.run_dir import (
+    announce_run_dir,
+    prepare_run,
+    resolve_run_dir,
+    with_run_dir,
+    write_pid_file,
+)
 from dagrl.runtime.run_lock import RunLock, announce_takeover, hold_worker_lock
 from dagrl.runtime.watchdog import ORPHANED_EXIT, orphaned, watch_parent
 from dagrl.runtime.worker import Worker
@@ -82,6 +88,8 @@ def run_worker(cfg: Config, ctx: DistContext, state: WorkerState,
                     lock = RunLock(run_dir).acquire()
                     announce_takeover(lock)
                 state.run_dir = run_dir
+                if take_lock:   # torchrun: no driver says it
+                    announce_run_dir(run_dir)
                 resolved = prepare_run(cfg)
             except Exception as err:   # noqa: BLE001 — re-raised below, after the broadcast
                 error = err
@@ -172,6 +180,8 @@ def torchrun_main(cfg: Config, debug: bool) -> int:
             check_inputs(cfg)   # every rank: the same answer, before anything is written
             checked = True
             run_worker(cfg, ctx, state, take_lock=True)
+        if state.rank == 0 and state.run_dir is not None:
+            announce_run_dir(state.run_dir, finished=True)
         return 0
     except BaseException as err:   # noqa: BLE001 — reported, then the process exits
         if orphaned():   # torchrun is gone: this error is the fallout, and nobody listens

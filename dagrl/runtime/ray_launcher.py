@@ -22,6 +22,7 @@ from pathlib import Path
 from dagrl.config.loader import to_dict
 from dagrl.config.schema import Config
 from dagrl.device import ray_device_type
+from dagrl.observe.loggers import MetricsFileConsole
 from dagrl.runtime.checkpoint import latest_checkpoint
 from dagrl.runtime.failures import Failure, log_failure, one_line
 from dagrl.runtime.ray_session import ray_session
@@ -31,6 +32,8 @@ from dagrl.runtime.watchdog import DriverBeacon
 # After a failure that may be a consequence (a peer's socket closed), how long to wait for the
 # record of the rank that failed first, or for Ray to report a worker process dead.
 CAUSE_GRACE_S = 3.0
+# How often the driver draws the steps rank 0 logged (MetricsFileConsole).
+CONSOLE_POLL_S = 0.5
 
 
 class WorkerFailed(RuntimeError):
@@ -104,18 +107,25 @@ def _run_workers(cfg: Config) -> list[dict[str, float]]:
         beacon.close()
         raise
     print(f"[dagrl] {workers.describe()}", flush=True)
+    cfg_dict = to_dict(cfg)
+    cfg_dict["trainer"]["device"] = kind   # every worker uses what the driver reserved
+    console = _driver_console(cfg, cfg_dict, workers)
     try:
-        cfg_dict = to_dict(cfg)
-        cfg_dict["trainer"]["device"] = kind   # every worker uses what the driver reserved
         pending = {workers.actors[r].run.remote(cfg_dict, beacon.address): r for r in range(n)}
         results: dict[int, list] = {}
         failures: list[Failure] = []
         deadline = None
         while pending:
             timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if console is not None:   # wake up to draw the steps rank 0 logged
+                timeout = CONSOLE_POLL_S if timeout is None else min(timeout, CONSOLE_POLL_S)
             done, _ = ray.wait(list(pending), num_returns=1, timeout=timeout)
+            if console is not None:
+                console.poll()
             if not done:
-                break
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
+                continue
             rank = pending.pop(done[0])
             try:
                 status, value = ray.get(done[0])
@@ -134,5 +144,25 @@ def _run_workers(cfg: Config) -> list[dict[str, float]]:
             raise WorkerFailed(_cause(failures))
         return results[0]
     finally:
+        if console is not None:
+            console.close()
         workers.stop()
         beacon.close()
+
+
+def _driver_console(cfg: Config, cfg_dict: dict, workers) -> MetricsFileConsole | None:
+    """With every worker on the driver's node, the driver draws the console from the metrics
+    file the lead worker writes, and the workers print no bar or step lines of their own (Ray
+    would forward each redraw of a worker's bar as a line of its own, prefixed). Across nodes
+    the file may be on another machine: the workers keep their console."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    if "console" not in cfg.logging.backends or \
+            any(p["node_id"] != here for p in workers.placements):
+        return None
+    logging_cfg = cfg_dict["logging"]
+    logging_cfg["backends"] = [b for b in logging_cfg["backends"] if b != "console"]
+    logging_cfg["progress_bar"] = False
+    return MetricsFileConsole(Path(cfg.trainer.run_dir) / "metrics.jsonl", cfg.logging,
+                              cfg.trainer.total_steps)

@@ -63,6 +63,9 @@ def ray_session(n_workers: int) -> Iterator[None]:
         finally:
             ray.shutdown()
         return
+    # Ray enables token authentication for a new local instance and warns that it did unless
+    # the mode is set: set it to what Ray does anyway (the user's own setting wins).
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
     reaper_proc = _start_reaper()
     before = _children(os.getpid())
     try:

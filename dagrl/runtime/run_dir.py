@@ -121,3 +121,16 @@ def write_pid_file(run_dir: Path, rank: int) -> None:
     workers = run_dir / "workers"
     workers.mkdir(exist_ok=True)
     (workers / f"rank{rank}.pid").write_text(str(os.getpid()))
+
+
+def announce_run_dir(run_dir: Path, finished: bool = False) -> None:
+    """Say where the run writes, when it starts and again when it ends (the bar and the step
+    lines in between push the first line out of sight)."""
+    if not finished:
+        print(f"[dagrl] run directory: {run_dir}", flush=True)
+        return
+    has_checkpoints = any((run_dir / "checkpoints").glob("step_*"))
+    export = (f"dagrl export {run_dir} --out DIR" if has_checkpoints
+              else "no checkpoint: trainer.save_every=N writes them")
+    print(f"[dagrl] done; run directory: {run_dir} (dagrl report {run_dir}; {export})",
+          flush=True)

@@ -15,11 +15,13 @@ truth, score) in `samples` after each run, for RUN_DIR/val_generations.jsonl.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from dagrl.config.schema import Config
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
@@ -55,6 +57,9 @@ class Validator:
         self.counts = rank % ranks_per_engine == 0
         self.cfg, self.engines, self.device = cfg, engines, device
         self.keep = cfg.logging.val_generations if rank == 0 else 0
+        # Rank 0's share on a bar of its own: a validation of a real model takes minutes, and the
+        # training bar stands still meanwhile.
+        self.shows_bar = rank == 0 and cfg.logging.progress_bar
         self.samples: list[dict] = []     # the last run's first `keep` samples
 
     def run(self) -> StepMetrics:
@@ -64,8 +69,14 @@ class Validator:
         self.samples = []
         start = time.perf_counter()
         chunk = self.cfg.data.val_batch_size
+        bar = tqdm(total=len(self.rows), desc="validate", unit="prompt", leave=False,
+                   dynamic_ncols=True, file=sys.stderr) if self.shows_bar else None
         for i in range(0, len(self.rows), chunk):
             self._score_rows(self.rows[i:i + chunk], n, metrics)
+            if bar is not None:
+                bar.update(len(self.rows[i:i + chunk]))
+        if bar is not None:
+            bar.close()
         metrics.add_max("timing/validation_s", time.perf_counter() - start)
         metrics.add_sum("val/samples", len(self.rows) * n)
         # A replica's other ranks computed the same numbers: they count once.

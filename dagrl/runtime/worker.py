@@ -123,7 +123,10 @@ class Worker(CheckpointedWorker):
         self.is_lead = self.rank == self.side.lead and self.placement.trains
         # The ranks that train validate (async: the trainer side, with a rollout engine of its
         # own), each its share of the test split.
-        validates = (t.val_every > 0 or t.val_before_train) and self.placement.trains
+        validates = cfg.validates and self.placement.trains
+        if (t.val_every or t.val_before_train) and not cfg.data.val_files:
+            self.log("validation off: data.val_files is empty (trainer.val_every="
+                     f"{t.val_every}, val_before_train={t.val_before_train} not used)")
         needed = self.engines_needed(cfg, "")
         if validates:
             needed |= {"rollout", "reward"}
@@ -489,7 +492,8 @@ class Worker(CheckpointedWorker):
                 if metrics is None:   # an async rollout rank: its metrics went with its groups
                     continue
                 last = step == t.total_steps
-                if t.val_every and (step % t.val_every == 0 or last):
+                if t.val_every and self.validator is not None and (
+                        step % t.val_every == 0 or last):
                     metrics.update(self.validate(step))
                 history.append(metrics)
                 self._log(step, metrics)

@@ -109,7 +109,7 @@ def test_no_loadable_checkpoint_is_one_error_line(finished, tmp_path):
         truncate(step_dir(run_dir, step) / SHARD, 0.9)
     proc = train(run_dir, 4)
     assert proc.returncode == 1
-    assert_one_error_line(proc, "CheckpointError: no checkpoint under",
+    assert_one_error_line(proc, "error: no checkpoint under",
                           f"{step_dir(run_dir, 3)}: file dcp/__0_0.distcp has")
     assert "Traceback" not in proc.stderr
     assert metrics(run_dir) == finished[1]          # nothing trained from scratch over it

@@ -117,7 +117,7 @@ def test_second_run_on_a_live_directory_is_refused_and_a_dead_ones_lock_taken_ov
         config_before = (run_dir / "config.yaml").stat().st_mtime_ns
         second = run(dagrl_cmd("train", f"trainer.run_dir={run_dir}", *FAST))
         assert second.returncode == 1
-        assert_one_error_line(second, f"RunDirError: trainer.run_dir='{run_dir}' is in use by a "
+        assert_one_error_line(second, f"error: trainer.run_dir='{run_dir}' is in use by a "
                                       f"live run (pid {first.pid} on {socket.gethostname()}")
         # the same under torchrun: rank 0 is refused, rank 1 follows quietly
         second = run(torchrun_cmd(f"trainer.run_dir={run_dir}", *FAST))

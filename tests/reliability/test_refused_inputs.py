@@ -18,7 +18,6 @@ from tests.reliability.helpers import (
     arith_rows,
     assert_one_error_line,
     dagrl_cmd,
-    error_lines,
     run,
     write_rows,
 )
@@ -65,7 +64,7 @@ def test_bad_data_is_refused_before_the_run_directory_exists(tmp_path, make, sho
     data = make(tmp_path / "bad.parquet")
     proc = train(tmp_path / "run", f"data.train_files=[{data}]")
     assert proc.returncode == 1
-    line = assert_one_error_line(proc, f"DatasetError: {data}: {shown}")
+    line = assert_one_error_line(proc, f"error: {data}: {shown}")
     assert proc.stderr.strip() == line            # the whole terminal output: one line
     assert not (tmp_path / "run").exists()        # nothing written, nothing trained
 
@@ -79,7 +78,7 @@ def test_an_overlong_prompt_is_refused_before_the_run_directory_exists(tmp_path,
     proc = train(tmp_path / "run", f"data.train_files=[{data}]", f"model.path={tiny_model_dir}",
                  "data.max_prompt_length=16")
     assert proc.returncode == 1
-    assert_one_error_line(proc, f"DatasetError: {data}: row 900",
+    assert_one_error_line(proc, f"error: {data}: row 900",
                           "more than data.max_prompt_length=16")
     assert not (tmp_path / "run").exists()
 
@@ -133,8 +132,8 @@ def test_bad_graph_is_refused_before_the_run_directory_exists(tmp_path, case):
     graph, shown = graph_case(tmp_path, case)
     proc = train(tmp_path / "run", f"dag.graph={graph}")
     assert proc.returncode == 1
-    assert_one_error_line(proc, "GraphError", shown)
-    assert proc.stderr.strip() == error_lines(proc.stderr)[0]
+    line = assert_one_error_line(proc, shown)
+    assert proc.stderr.strip() == line and "GraphError" not in line
     assert not (tmp_path / "run").exists()
 
 
@@ -147,7 +146,7 @@ def test_other_graph_errors_through_the_cli_entry_point(tmp_path, capfd, case):
     assert main([f"trainer.run_dir={tmp_path / 'run'}", *SMALL, f"dag.graph={graph}"]) == 1
     err = capfd.readouterr().err
     assert err.splitlines() == [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(err.splitlines()) == 1 and "GraphError" in err and shown in err
+    assert len(err.splitlines()) == 1 and shown in err and "GraphError" not in err
     assert not (tmp_path / "run").exists()
 
 
@@ -157,7 +156,7 @@ def test_checkpoint_dir_that_is_a_file_is_refused_at_start(tmp_path):
     blocker.write_text("a file")
     proc = train(tmp_path / "run", f"trainer.checkpoint_dir={blocker}", "trainer.save_every=1")
     assert proc.returncode == 1
-    assert_one_error_line(proc, f"RunDirError: trainer.checkpoint_dir='{blocker}' is a file")
+    assert_one_error_line(proc, f"error: trainer.checkpoint_dir='{blocker}' is a file")
     assert not (tmp_path / "run").exists() and blocker.read_text() == "a file"
 
 
@@ -180,7 +179,7 @@ def test_debug_prints_the_traceback(tmp_path, capfd):
     assert "Traceback" not in capfd.readouterr().err
     assert main(["--debug", *args]) == 1
     err = capfd.readouterr().err
-    assert err.startswith("error: DatasetError:")
+    assert err.startswith("error: ") and "DatasetError" not in err.splitlines()[0]
     assert "Traceback (most recent call last)" in err and "in check_schema_types" in err
 
 

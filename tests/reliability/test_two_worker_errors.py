@@ -45,7 +45,7 @@ def bad_input(tmp_path, kind: str) -> tuple[list[str], str, str]:
         for i, row in enumerate(rows):
             row["reward_model"]["ground_truth"] = i + 1
         data = write_rows(tmp_path / "int_truth.parquet", rows)
-        return ([f"data.train_files=[{data}]"], "DatasetError",
+        return ([f"data.train_files=[{data}]"], "error: ",
                 f"{data}: column reward_model.ground_truth is int64")
     if kind == "graph":
         graph = tmp_path / "graph.yaml"
@@ -56,9 +56,9 @@ def bad_input(tmp_path, kind: str) -> tuple[list[str], str, str]:
               - {id: reward, role: reward, deps: [rollout]}
               - {id: update, role: actor_update, deps: [advantage]}
         """))
-        return ([f"dag.graph={graph}"], "GraphError",
+        return ([f"dag.graph={graph}"], "error: ",
                 "node 'update' depends on unknown node(s) ['advantage']")
-    return (["actor.lr=-1"], "config error", "actor.lr must be > 0")
+    return (["actor.lr=-1"], "error: ", "actor.lr must be > 0")
 
 
 def launch(cmd: list[str], timeout: float = 300):
@@ -117,7 +117,7 @@ def test_a_worker_failing_mid_run_is_one_line_and_a_logged_traceback(tmp_path, l
     proc, started = launch(LAUNCHERS[launcher](f"trainer.run_dir={run_dir}", *SMALL,
                                                f"reward.custom_fn={reward}:compute_score"))
     assert proc.returncode == 1
-    line = assert_one_error_line(proc, "error: rank 1: RewardError: reward failed for sample",
+    line = assert_one_error_line(proc, "error: rank 1: reward failed for sample",
                                  "scorer crashed on rank 1")
     lines = proc.stderr.splitlines()
     assert lines[lines.index(line) + 1] == \
