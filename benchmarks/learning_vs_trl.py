@@ -183,24 +183,17 @@ class Progress:
 def watch_steps(log: Path, progress: Progress, first_step: int, offset: float, start: float,
                 stop: threading.Event) -> None:
     """Note the time at which each step from `first_step` on first appears in `log` (one JSON
-    record per line): offset + seconds since `start`. The whole file is read at every look (a
-    resumed dagrl run cuts its metrics.jsonl back to its checkpoint before appending), and the
-    lines it held before (TRL's log keeps an interrupted segment's steps) are not new."""
-
-    def lines() -> list[str]:   # complete lines only: the last may be half-written
-        try:
-            return log.read_text(encoding="utf-8").split("\n")[:-1]
-        except FileNotFoundError:
-            return []
-
-    before, seen = set(lines()), set()
+    record per line): offset + seconds since `start`. The log holds no such step when the side
+    starts (`drop_records_after`); the whole file is read at every look."""
+    seen: set[int] = set()
     while True:
         done = stop.is_set()
-        current = lines()
+        try:   # complete lines only: the last may be half-written
+            current = log.read_text(encoding="utf-8").split("\n")[:-1]
+        except FileNotFoundError:
+            current = []
         now = time.perf_counter()
         for line in current:
-            if line in before:
-                continue
             try:
                 record = json.loads(line)
             except ValueError:
@@ -212,6 +205,21 @@ def watch_steps(log: Path, progress: Progress, first_step: int, offset: float, s
         if done:
             return
         stop.wait(0.2)
+
+
+def drop_records_after(log: Path, step: int) -> None:
+    """Keep the records of steps up to `step` (a resumed side runs the later ones again; a
+    resumed dagrl run would cut its metrics.jsonl back the same way, TRL's log keeps them)."""
+    if not log.is_file():
+        return
+    kept = []
+    for line in log.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except ValueError:   # an interrupted write's half line
+            continue
+    log.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
 
 
 def run_side(side: str, work: Workload, model: Path, train: Path, out: Path,
@@ -237,6 +245,7 @@ def run_side(side: str, work: Workload, model: Path, train: Path, out: Path,
     else:
         cmd = [str(trl_python), *trl_args(work, model, train, side_dir)]
         log = side_dir / "steps.jsonl"
+    drop_records_after(log, resume_at)
     load = os.getloadavg()[0]
     print(f"{side}: training steps {resume_at + 1}..{work.steps} (load {load:.1f}; "
           f"log {side_dir / 'output.log'})", flush=True)
