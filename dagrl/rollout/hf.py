@@ -9,12 +9,22 @@ then one token per step for the whole batch; a row that has stopped keeps decodi
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from dagrl.algorithms.utils import logprobs_from_logits
 from dagrl.rollout.base import GenerationOutput, ModelCopy, position_ids_from_mask
 from dagrl.rollout.registry import ROLLOUT_BACKENDS
 from dagrl.rollout.sampling import SamplingParams, logprob_temperature, sample_next_token
+
+
+def cache_argument(model: torch.nn.Module) -> str:
+    """The name a model's forward takes its KV cache by: `cache` from transformers 5.2x on
+    (`past_key_values` still works there, with a FutureWarning on every call), else
+    `past_key_values` (vLLM's venv pins an older transformers)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else \
+        "past_key_values"
 
 
 @ROLLOUT_BACKENDS.register("hf")
@@ -37,9 +47,9 @@ class HFRollout(ModelCopy):
         positions = position_ids_from_mask(attention)
         from transformers import DynamicCache  # lazily: config checks import this module
 
-        cache = DynamicCache()
+        cache = {cache_argument(self.model): DynamicCache()}
         out = self.model(input_ids=prompt_ids, attention_mask=attention, position_ids=positions,
-                         past_key_values=cache, use_cache=True)
+                         use_cache=True, **cache)
         logits = out.logits[:, -1, :].float()            # [B, V]
         next_pos = positions[:, -1:] + 1                  # [B, 1]
 
@@ -70,7 +80,7 @@ class HFRollout(ModelCopy):
             attention = torch.cat([attention, torch.ones(batch, 1, dtype=attention.dtype,
                                                          device=device)], dim=1)
             out = self.model(input_ids=token[:, None], attention_mask=attention,
-                             position_ids=next_pos, past_key_values=cache, use_cache=True)
+                             position_ids=next_pos, use_cache=True, **cache)
             logits = out.logits[:, -1, :].float()
             next_pos = next_pos + 1
         return GenerationOutput(responses=responses, response_mask=mask, logprobs=logprobs)
