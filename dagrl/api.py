@@ -82,19 +82,10 @@ def train(config: str | Path | Mapping[str, Any] | None = None, *,
 
 
 def _load(config: str | Path | Mapping[str, Any] | None, items: list[str]) -> Config:
-    from dagrl.config.loader import from_dict, merge, parse_overrides
-    from dagrl.config.presets import PRESETS, load_run_config
+    from dagrl.config.presets import load_run_config
     from dagrl.runtime.config_names import check_registered_names
 
-    if isinstance(config, Mapping):
-        user = merge(dict(config), parse_overrides(items))
-        name = (user.get("algorithm") or {}).get("name", "grpo")
-        if name not in PRESETS:
-            raise ConfigError(f"algorithm.name: unknown algorithm {name!r}; choose one of "
-                              f"{', '.join(PRESETS)}")
-        cfg = from_dict(Config, merge(PRESETS[name], user))
-    else:
-        cfg = load_run_config(config, items)
+    cfg = load_run_config(config, items)   # a YAML path or a nested dict, as the CLI's file
     check_registered_names(cfg)
     return cfg
 

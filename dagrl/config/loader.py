@@ -383,9 +383,14 @@ def _read_yaml_file(path: Path) -> dict:
     return data
 
 
-def load_user_dict(path: str | Path | None = None, overrides: Sequence[str] = ()) -> dict:
-    """What the user set: the YAML file at ``path`` (if any) updated by ``overrides``."""
-    data = _read_yaml_file(Path(path)) if path is not None else {}
+def load_user_dict(path: str | Path | Mapping[str, Any] | None = None,
+                   overrides: Sequence[str] = ()) -> dict:
+    """What the user set: the YAML file at ``path`` (or a nested dict given in its place, as
+    `dagrl.train` takes one) updated by ``overrides``."""
+    if isinstance(path, Mapping):
+        data = copy.deepcopy(dict(path))
+    else:
+        data = _read_yaml_file(Path(path)) if path is not None else {}
     return merge(data, parse_overrides(overrides))
 
 

@@ -7,8 +7,9 @@ Each preset sets only what its paper prescribes and differs from the GRPO defaul
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from dagrl.config.loader import ConfigError, from_dict, load_user_dict, merge
 from dagrl.config.schema import Config
@@ -44,7 +45,8 @@ PRESETS: dict[str, dict] = {
 }
 
 
-def load_run_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+def load_run_config(path: str | Path | Mapping[str, Any] | None = None,
+                    overrides: Sequence[str] = ()) -> Config:
     """defaults <- preset of algorithm.name <- YAML file <- overrides, strictly checked."""
     user = load_user_dict(path, overrides)
     algorithm = user.get("algorithm") or {}
