@@ -112,6 +112,7 @@ def workload_args(ns: argparse.Namespace) -> list[str]:
 def side_args(side: str, ns: argparse.Namespace, run_dir: Path) -> list[str]:
     common = [f"trainer.run_dir={run_dir}", "trainer.n_workers=2", "trainer.torch_threads=1",
               f"trainer.total_steps={ns.steps}", f"trainer.seed={ns.seed}",
+              "trainer.save_final=false",
               f"model.tiny_hidden_size={ns.hidden}", f"model.tiny_layers={ns.layers}",
               f"data.train_batch_size={ns.prompts}", f"actor.mini_batch_size={ns.prompts}",
               f"rollout.n={ns.samples}", f"rollout.max_new_tokens={ns.max_new_tokens}",

@@ -175,7 +175,8 @@ def write_smollm2_model(root: Path) -> Path:
     (written once; both sides load it, so neither pays the GGUF conversion)."""
     from transformers import AutoModelForCausalLM
 
-    from dagrl.engines.models import load_model, load_tokenizer, package_dir, plain_config
+    from dagrl.config.model_source import package_dir
+    from dagrl.engines.models import load_model, load_tokenizer, plain_config
 
     model = root / "smollm2"
     if not (model / "config.json").is_file():
@@ -221,18 +222,19 @@ def ours_config(model: Path, data: Path, work: Workload, run_dir: Path,
               f"rollout.n={work.samples}", "rollout.temperature=1.0",
               f"rollout.max_new_tokens={work.tokens}", f"rollout.min_new_tokens={work.tokens}",
               f"trainer.total_steps={work.steps}", f"trainer.torch_threads={work.threads}",
-              "trainer.device=cpu", f"trainer.run_dir={run_dir}",
+              "trainer.device=cpu", f"trainer.run_dir={run_dir}", "trainer.save_final=false",
               "logging.backends=[jsonl]", "logging.progress_bar=false",
               f"actor.compile={str(compile_layers).lower()}"]
     if work.precision == "bfloat16":
         common.append("model.mixed_precision=bfloat16")
     if work.name == "smollm2":
         # The example as a user runs it (memory settings, KL loss 0.001), on the dequantised
-        # directory and without validation or checkpoints; the reward and learning rate TRL's
-        # side gets (verl's flexible GSM8K score, 2e-6), which cost the same as the example's.
+        # directory and without validation (nor checkpoints, as for every workload); the reward
+        # and learning rate TRL's side gets (verl's flexible GSM8K score, 2e-6), which cost the
+        # same as the example's.
         return str(SMOLLM2_EXAMPLE), [*common, "model.gguf_file=", "data.val_files=[]",
                                       "trainer.val_every=0", "trainer.val_before_train=false",
-                                      "trainer.save_every=0", "reward.scorer=gsm8k_flexible",
+                                      "reward.scorer=gsm8k_flexible",
                                       "actor.lr=2e-6"]
     return None, [*common, "data.max_prompt_length=8", "algorithm.name=grpo",
                   "algorithm.kl_loss_coef=0"]

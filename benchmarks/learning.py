@@ -28,7 +28,8 @@ def run_one(name: str, steps: int, out: Path, extra: Sequence[str]) -> dict:
 
     cfg = load_run_config(None, with_defaults(
         [f"algorithm.name={name}", f"trainer.total_steps={steps}", f"trainer.run_dir={out / name}",
-         "logging.progress_bar=false", f"logging.console_every={steps}"], extra))
+         "trainer.save_final=false", "logging.progress_bar=false",
+         f"logging.console_every={steps}"], extra))
     start = time.perf_counter()
     history = launch(cfg)
     rewards = [m["reward/mean"] for m in history]

@@ -55,6 +55,7 @@ def workload(model: str, ns: argparse.Namespace) -> list[str]:
             f"data.train_batch_size={ns.prompts}", f"actor.mini_batch_size={ns.prompts}",
             f"rollout.n={ns.samples}", f"rollout.max_new_tokens={ns.tokens}",
             f"trainer.total_steps={ns.steps}", f"trainer.torch_threads={ns.threads}",
+            "trainer.save_final=false",
             "logging.progress_bar=false", "logging.backends=[jsonl]"]
 
 

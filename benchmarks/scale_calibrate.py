@@ -41,7 +41,8 @@ from benchmarks import scale_measure
 # token, a geometric (exponential-tailed) length distribution cut at max_new_tokens.
 PROMPTS_PER_WORKER, SAMPLES, HIDDEN, LAYERS = 8, 4, 128, 4
 BASE = [f"model.tiny_hidden_size={HIDDEN}", f"model.tiny_layers={LAYERS}",
-        "trainer.torch_threads=1", "logging.progress_bar=false", "logging.console_every=1000",
+        "trainer.torch_threads=1", "trainer.save_final=false", "logging.progress_bar=false",
+        "logging.console_every=1000",
         f"rollout.n={SAMPLES}", "rollout.temperature=1.0", "trainer.device=cpu"]
 TRACE_CAPS = (32, 96)         # response caps of the traced runs (fit)
 CHECK_CAP = 64                # response cap of the measured runs (checked, not fitted)

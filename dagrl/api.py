@@ -25,6 +25,7 @@ one worker and `reward.num_workers=0`, or a ConfigError naming the fix.
 from __future__ import annotations
 
 import importlib
+import inspect
 import shutil
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -42,7 +43,7 @@ INPUTS = "inputs"
 class RunResult:
     run_dir: Path
     metrics: list[dict[str, float]]     # one dict per step run by this call
-    checkpoint: Path | None             # the newest checkpoint (None: trainer.save_every=0)
+    checkpoint: Path | None             # the newest checkpoint (None: trainer.save_final=false)
 
     @property
     def final(self) -> dict[str, float]:
@@ -83,10 +84,10 @@ def train(config: str | Path | Mapping[str, Any] | None = None, *,
 
 def _load(config: str | Path | Mapping[str, Any] | None, items: list[str]) -> Config:
     from dagrl.config.presets import load_run_config
-    from dagrl.runtime.config_names import check_registered_names
+    from dagrl.runtime.config_names import check_config_names
 
     cfg = load_run_config(config, items)   # a YAML path or a nested dict, as the CLI's file
-    check_registered_names(cfg)
+    check_config_names(cfg)
     return cfg
 
 
@@ -129,6 +130,12 @@ def _reward_spec(fn: Callable[..., Any], cfg: Config) -> str:
 
     if not callable(fn):
         raise ConfigError(f"reward_fn: {fn!r} is not callable")
+    if "completions" in _parameters(fn):
+        raise ConfigError(
+            f"reward_fn {getattr(fn, '__qualname__', fn)!r} takes TRL's batch arguments "
+            "(prompts, completions, **columns); dagrl calls it once per sample as verl's "
+            "compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float "
+            "(docs/coming-from-trl.md)")
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if module and module != "__main__" and "<" not in qualname:
         try:
@@ -148,6 +155,13 @@ def _reward_spec(fn: Callable[..., Any], cfg: Config) -> str:
             "my_rewards.py, then `from my_rewards import reward`), or train with one worker "
             "and reward.num_workers=0")
     return in_process_spec(fn)
+
+
+def _parameters(fn: Callable[..., Any]) -> Mapping[str, Any]:
+    try:
+        return inspect.signature(fn).parameters
+    except (TypeError, ValueError):   # a builtin without a signature: called as it is
+        return {}
 
 
 def _newest_checkpoint(cfg: Config, run_dir: Path) -> Path | None:

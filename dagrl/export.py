@@ -47,9 +47,9 @@ def find_checkpoint(path: Path) -> Path:
         if found is not None:
             return found
     raise CheckpointError(f"{path}: no checkpoint there (expected {STATE_FILE}, or a run "
-                          "directory with checkpoints/step_<N>); runs write none by default: "
-                          "train with trainer.save_every=N (a checkpoint every N steps and "
-                          "after the last)")
+                          "directory with checkpoints/step_<N>); a run writes one after its last "
+                          "step unless trainer.save_final=false, and every N steps with "
+                          "trainer.save_every=N")
 
 
 def verify_for_export(checkpoint: Path) -> None:
@@ -69,6 +69,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str | None = None) -> 
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     checkpoint, out = find_checkpoint(Path(checkpoint)), Path(out)
     if out.exists():
@@ -96,6 +97,7 @@ def export_checkpoint(checkpoint: Path, out: Path, dtype: str | None = None) -> 
         model = model.to(getattr(torch, dtype))
     tmp = out.with_name(f".{out.name}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
+    hf_logging.disable_progress_bar()   # one line says what was written, at the end
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(hf).save_pretrained(tmp)

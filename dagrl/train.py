@@ -24,8 +24,7 @@ from dagrl.config.loader import ConfigError, dump_yaml, with_defaults
 from dagrl.config.presets import load_run_config
 from dagrl.config.schema import Config
 from dagrl.data.errors import DatasetError
-from dagrl.data.listed_files import check_listed_files
-from dagrl.runtime.config_names import check_registered_names
+from dagrl.runtime.config_names import check_config_names
 
 # torchrun's options `dagrl train` passes on to the agent (runtime/torchrun_launcher.py).
 TORCHRUN_OPTIONS = {"--nproc-per-node": "N", "--nnodes": "N|MIN:MAX", "--node-rank": "RANK",
@@ -61,8 +60,7 @@ def load_cli_config(args: Sequence[str]) -> Config:
     """[CONFIG.yaml] [key=value ...] -> the config, with algorithm.name's preset applied."""
     path, overrides = split_config_args(args)
     cfg = load_run_config(path, overrides)
-    check_listed_files(cfg.data.train_files, cfg.data.val_files if cfg.validates else [])
-    check_registered_names(cfg)
+    check_config_names(cfg)
     return cfg
 
 

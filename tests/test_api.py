@@ -54,7 +54,7 @@ def test_a_datasets_dataset_or_a_dataframe_trains_with_an_importable_reward(kind
                          trainer__val_every=3, **STEPS)
     assert len(result.metrics) == 3
     assert any(key.startswith("val/sums/") for key in result.final)
-    assert result.checkpoint is None                              # save_every defaults to 0
+    assert result.checkpoint.name == "step_00000003"   # the final one (trainer.save_final)
     saved = (result.run_dir / "config.yaml").read_text()
     assert ":exact_or_partial" in saved and "in-process" not in saved   # by import path
 
@@ -63,6 +63,17 @@ def test_a_reward_other_processes_cannot_import_is_refused_with_the_fix(tmp_path
     with pytest.raises(ConfigError, match="define it in a module file"):
         dagrl.train(reward_fn=lambda *a, **k: 0.0, train_dataset=sums(),
                     trainer__n_workers=2, trainer__run_dir=str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_trl_style_batch_reward_is_refused_with_the_signature_dagrl_calls(tmp_path):
+    def accuracy(prompts, completions, ground_truth, **kwargs):   # TRL's reward_funcs kind
+        return [float(c == g) for c, g in zip(completions, ground_truth, strict=True)]
+
+    with pytest.raises(ConfigError, match=r"takes TRL's batch arguments .* compute_score\("
+                                          r"data_source, solution_str, ground_truth"):
+        dagrl.train(reward_fn=accuracy, train_dataset=sums(),
+                    trainer__run_dir=str(tmp_path / "run"))
     assert not (tmp_path / "run").exists()
 
 

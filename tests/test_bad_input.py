@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dagrl.config.loader import load_config
+from dagrl.config.loader import ConfigError, load_config
 from dagrl.config.schema import Config
 from dagrl.data.dataset import DatasetError, ParquetPrompts, PromptLoader
 from dagrl.engines.models import TokenizerError, load_tokenizer, write_tiny_model
@@ -290,16 +290,16 @@ def test_null_prompt_is_named(tmp_path, tokenizer):
 
 def test_missing_model_directory_is_named(tmp_path, good_file):
     missing = tmp_path / "no-such-model"
-    with pytest.raises(FileNotFoundError, match=re.escape(f"model.path: '{missing}' is not a "
-                                                          "directory")):
+    with pytest.raises(ConfigError, match=re.escape(f"model.path: '{missing}' is not a "
+                                                    "directory")):
         run(tmp_path, missing, f"data.train_files=[{good_file}]")
     assert_no_run_output(tmp_path / "run")
 
 
 def test_model_directory_without_config_is_named(tmp_path, good_file):
     (tmp_path / "weights").mkdir()
-    with pytest.raises(FileNotFoundError, match=re.escape(f"model.path: '{tmp_path / 'weights'}' "
-                                                          "has no config.json")):
+    with pytest.raises(ConfigError, match=re.escape(f"model.path: '{tmp_path / 'weights'}' "
+                                                    "has no config.json")):
         run(tmp_path, tmp_path / "weights", f"data.train_files=[{good_file}]")
     assert_no_run_output(tmp_path / "run")
 
@@ -504,4 +504,22 @@ def test_a_missing_data_file_is_named_before_torch_loads(tmp_path):
     assert proc.stdout.split() == ["1", "False", "False"], proc.stderr
     assert proc.stderr.strip() == (f"error: {missing}: no such parquet file "
                                    "(listed in data.train_files)")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_missing_model_directory_is_named_before_torch_loads(tmp_path):
+    """model.path is checked from the file system when the config is read, like the data files:
+    the error line comes before any torch or transformers import."""
+    import subprocess
+
+    missing = tmp_path / "no-model"
+    code = ("import sys; from dagrl.train import main; "
+            f"rc = main(['model.path={missing}', 'trainer.run_dir={tmp_path / 'run'}']); "
+            "print(rc, 'torch' in sys.modules, 'transformers' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.stdout.split() == ["2", "False", "False"], proc.stderr
+    assert proc.stderr.strip() == (f"error: model.path: {str(missing)!r} is not a directory "
+                                   "(models are loaded from a local directory; nothing is "
+                                   "downloaded)")
     assert not (tmp_path / "run").exists()

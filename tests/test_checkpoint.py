@@ -201,26 +201,40 @@ def test_made_datasets_are_readable_as_the_umask_says(tmp_path):
         assert path.stat().st_mode & 0o777 == 0o666 & ~current_umask()   # mkstemp's is 0600
 
 
+def test_a_default_run_can_be_exported(tmp_path, capsys):
+    """No checkpoint key set: the run still ends with a checkpoint, which `dagrl export` reads;
+    and the end of the run says so."""
+    from dagrl.export import main as export_main
+
+    run_dir = tmp_path / "run"
+    launch(config(run_dir, "trainer.total_steps=2"))
+    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [2]
+    assert f"dagrl export {run_dir} --out DIR" in capsys.readouterr().out
+    assert export_main([str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "config.json").is_file()
+
+
 def test_export_of_a_run_without_checkpoints_names_the_key(tmp_path, capsys):
     from dagrl.export import main as export_main
 
-    launch(config(tmp_path / "run", "trainer.total_steps=1"))
+    launch(config(tmp_path / "run", "trainer.total_steps=1", "trainer.save_final=false"))
     capsys.readouterr()
     assert export_main([str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
-    assert "train with trainer.save_every=N" in capsys.readouterr().err
+    assert "unless trainer.save_final=false" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
 
 
 def test_an_empty_val_files_turns_validation_off_and_says_so(tmp_path, capsys):
     run_dir = tmp_path / "run"
     launch(config(run_dir, "trainer.total_steps=2", "trainer.val_every=1",
-                  "trainer.val_before_train=true", "data.val_files=[]"))
+                  "trainer.val_before_train=true", "data.val_files=[]",
+                  "trainer.save_final=false"))
     printed = capsys.readouterr().out
     assert "validation off: data.val_files is empty" in printed
     # where the run writes, said when it starts and again when it ends
     assert f"[dagrl] run directory: {run_dir}\n" in printed
     assert f"[dagrl] done; run directory: {run_dir} (dagrl report {run_dir}; no checkpoint: " \
-           "trainer.save_every=N writes them)" in printed
+           "trainer.save_final=true writes one after the last step)" in printed
     assert [r["step"] for r in metrics(run_dir)] == [1, 2]
     assert not any(k.startswith("val/") for r in metrics(run_dir) for k in r)
 

@@ -178,11 +178,9 @@ def test_bad_model_reward_settings_are_refused_naming_the_key(overrides, message
 
 
 def test_a_missing_reward_model_directory_is_named_before_the_run_starts(tmp_path):
-    from dagrl.runtime.input_checks import check_inputs
-    cfg = load_cli_config([f"trainer.run_dir={tmp_path / 'run'}", "reward.source=reward_model",
-                           f"reward_model.path={tmp_path / 'nowhere'}"])
-    with pytest.raises(FileNotFoundError, match="reward_model.path"):
-        check_inputs(cfg)
+    with pytest.raises(ConfigError, match="reward_model.path: .* is not a directory"):
+        load_cli_config([f"trainer.run_dir={tmp_path / 'run'}", "reward.source=reward_model",
+                         f"reward_model.path={tmp_path / 'nowhere'}"])
     assert not (tmp_path / "run").exists()
 
 

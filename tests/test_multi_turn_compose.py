@@ -45,15 +45,16 @@ AGENT = ["multi_turn/turns_mean", "multi_turn/observation_tokens_mean"]
 def test_multi_turn_composes_in_the_config():
     base = ["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]"]
     env = ["rollout.multi_turn.enable=true", "rollout.multi_turn.environment=guess_number"]
+    rm = ["reward.source=reward_model", "reward_model.path=builtin:tiny-digit-rm"]
     for overrides in ([*base, "actor.tensor_parallel_size=2", "trainer.n_workers=2"],
                       [*base, "actor.sequence_parallel_size=2", "trainer.n_workers=2"],
-                      [*base, "reward.source=judge", "judge.path=x"],
-                      [*base, "reward.source=reward_model", "reward_model.path=x"],
+                      [*base, "reward.source=judge", "judge.path=builtin:tiny-qwen2"],
+                      [*base, *rm],
                       [*base, f"dag.graph={ROOT / 'examples' / 'agents_with_tools.graph.yaml'}",
                        "models.checker.actor.lr=0.1"],
                       # the environment's turn rewards and the model's episode score add
-                      [*env, "reward.source=judge", "judge.path=x"],
-                      [*env, "reward.source=reward_model", "reward_model.path=x"]):
+                      [*env, "reward.source=judge", "judge.path=builtin:tiny-qwen2"],
+                      [*env, *rm]):
         load_cli_config(overrides)
 
 

@@ -452,8 +452,11 @@ class TrainerConfig:
     # (empty: no validation, whatever this and val_before_train say).
     val_every: int = 0
     val_before_train: bool = False
-    # A checkpoint every this many steps (and after the last); 0 disables checkpoints.
+    # A checkpoint every this many steps; 0: none before the last step.
     save_every: int = 0
+    # A checkpoint after the last step, so that every run can be exported (`dagrl export`) and
+    # continued with a larger total_steps; false: none (a benchmark, a throw-away run).
+    save_final: bool = True
     # Committed checkpoints kept (oldest pruned first); 0 keeps all.
     keep_last: int = 3
     # Empty: <run_dir>/checkpoints.
@@ -492,7 +495,7 @@ class TrainerConfig:
         _check(self.torch_threads >= 0, "torch_threads must be >= 0")
         _check(self.async_trainer_threads >= 0, "async_trainer_threads must be >= 0")
         _check(self.val_every >= 0, "val_every must be >= 0 (0 disables validation)")
-        _check(self.save_every >= 0, "save_every must be >= 0 (0 disables checkpoints)")
+        _check(self.save_every >= 0, "save_every must be >= 0 (0: only the final checkpoint)")
         _check(self.keep_last >= 0, "keep_last must be >= 0 (0 keeps every checkpoint)")
         _check(self.max_restarts >= 0, "max_restarts must be >= 0")
         _check(bool(self.resume), 'resume must be "auto", "never" or a checkpoint path')

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dagrl.config.model_source import BUILTIN_PREFIX
 from dagrl.data.errors import DatasetError
-
-BUILTIN_PREFIX = "builtin:"
 
 
 def missing_file_error(path: str, key: str) -> DatasetError:

@@ -11,12 +11,13 @@ from transformers.utils import logging as hf_logging
 
 from dagrl.algorithms.loss_agg import agg_loss
 from dagrl.algorithms.value_loss import clipped_value_loss
+from dagrl.config.model_source import check_model_dir
 from dagrl.config.schema import CriticConfig
 from dagrl.data.batch import Batch, response_attention
 from dagrl.engines.attention import resolve_attn_implementation
 from dagrl.engines.forward import batch_values, response_values
 from dagrl.engines.layout import EngineLayout
-from dagrl.engines.models import DTYPES, _disable_dropout, check_model_dir
+from dagrl.engines.models import DTYPES, _disable_dropout
 from dagrl.engines.train_engine import TrainEngine, token_mean
 from dagrl.observe.metrics import StepMetrics
 

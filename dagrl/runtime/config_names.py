@@ -1,11 +1,21 @@
-"""Names a config looks up in registries above the config layer (losses, estimators, scorers,
-tools, environments, rollout backends), checked when the config is loaded — by `dagrl train`
-and by `dagrl.train(...)` — so a typo fails in a second, not after the model has loaded."""
+"""What a config names, checked when it is loaded — by `dagrl train` and by `dagrl.train(...)`
+— so a typo fails in a second, before torch and transformers load: the data files and model
+directories it lists, and the names it looks up in registries above the config layer (losses,
+estimators, scorers, tools, environments, rollout backends)."""
 
 from __future__ import annotations
 
 from dagrl.config.loader import ConfigError
+from dagrl.config.model_source import check_model_sources
 from dagrl.config.schema import Config
+from dagrl.data.listed_files import check_listed_files
+
+
+def check_config_names(cfg: Config) -> None:
+    """The files, directories and registered names `cfg` refers to exist."""
+    check_listed_files(cfg.data.train_files, cfg.data.val_files if cfg.validates else [])
+    check_model_sources(cfg)
+    check_registered_names(cfg)
 
 
 def import_dag_modules(cfg: Config) -> None:

@@ -307,5 +307,6 @@ def interrupted_line(run_dir: Path | str | None, checkpoint_dir: str = "") -> st
              if isinstance(r.get("step"), int)] if metrics.is_file() else []
     found = list_checkpoints(Path(checkpoint_dir or Path(run_dir) / "checkpoints"))
     last = (f"the last checkpoint is {found[-1][1]} (the same command resumes from it)"
-            if found else "no checkpoint was written (trainer.save_every)")
+            if found else "no checkpoint was written yet (trainer.save_every=N writes one "
+                          "every N steps)")
     return f"interrupted at step {max(steps, default=0) + 1}; {last}"

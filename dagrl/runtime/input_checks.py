@@ -18,22 +18,19 @@ import tempfile
 from pathlib import Path
 
 from dagrl.config.loader import ConfigError
+from dagrl.config.model_source import (
+    BUILTIN_PREFIX,
+    PACKAGE_PREFIX,
+    check_model_sources,
+    package_dir,
+)
 from dagrl.config.schema import Config
 from dagrl.dag.spec import GraphError
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
 from dagrl.data.errors import DatasetError
 from dagrl.data.makers import MAKERS
 from dagrl.engines.memory_estimate import model_config
-from dagrl.engines.models import (
-    BUILTIN_PREFIX,
-    PACKAGE_PREFIX,
-    TINY_FAMILIES,
-    build_char_tokenizer,
-    check_model_dir,
-    load_tokenizer,
-    package_dir,
-)
-from dagrl.engines.tiny_reward_model import NAME as TINY_RM
+from dagrl.engines.models import build_char_tokenizer, load_tokenizer
 from dagrl.observe.backends import check_backends_installed
 from dagrl.registry import UnknownNameError
 from dagrl.rewards.custom import load_function
@@ -52,16 +49,8 @@ def check_inputs(cfg: Config) -> None:
     """Raise the first problem with `cfg`'s inputs; write nothing."""
     check_backends_installed(cfg.logging)
     check_graph(cfg)
-    check_model_source(cfg.model.path, cfg.model.gguf_file)
+    check_model_sources(cfg)
     check_model_parallel(cfg)
-    for name, derived in cfg.derived_models.items():
-        check_model_source(derived.model.path, derived.model.gguf_file,
-                           section=f"models.{name}.model")
-    if cfg.reward.source == "reward_model":
-        check_model_source(cfg.reward_model.path, "", section="reward_model",
-                           builtins=(TINY_RM,))
-    if cfg.reward.source == "judge":
-        check_model_source(cfg.judge.path, cfg.judge.gguf_file, section="judge")
     check_reward(cfg)
     t = cfg.trainer
     data_keys = ["train_files"]
@@ -113,19 +102,6 @@ def check_graph(cfg: Config) -> None:
     except Exception as err:   # a user module that fails to import: name it and the cause
         raise ConfigError(f"dag.modules={cfg.dag.modules}: importing them failed "
                           f"({type(err).__name__}: {err})") from err
-
-
-def check_model_source(path: str, gguf_file: str, *, section: str = "model",
-                       builtins: tuple[str, ...] = TINY_FAMILIES) -> None:
-    """`<section>.path` names an existing model: a known built-in, an installed package, or a
-    local directory with config.json (or the GGUF file)."""
-    if path.startswith(BUILTIN_PREFIX):
-        if path[len(BUILTIN_PREFIX):] not in builtins:
-            raise ConfigError(f"{section}.path: unknown built-in model {path!r}; choose one of "
-                              + ", ".join(BUILTIN_PREFIX + f for f in builtins))
-        return
-    check_model_dir(package_dir(path) if path.startswith(PACKAGE_PREFIX) else path, gguf_file,
-                    section)
 
 
 def check_reward(cfg: Config) -> None:

@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 
 from dagrl.config.loader import dump_yaml
+from dagrl.config.model_source import BUILTIN_PREFIX
 from dagrl.config.schema import Config
 from dagrl.data.makers import MAKERS
-from dagrl.engines.models import BUILTIN_PREFIX, resolve_builtin_model
+from dagrl.engines.models import resolve_builtin_model
 from dagrl.engines.tiny_reward_model import NAME as TINY_RM
 from dagrl.engines.tiny_reward_model import copy_tiny_digit_rm
 
@@ -131,6 +132,6 @@ def announce_run_dir(run_dir: Path, finished: bool = False) -> None:
         return
     has_checkpoints = any((run_dir / "checkpoints").glob("step_*"))
     export = (f"dagrl export {run_dir} --out DIR" if has_checkpoints
-              else "no checkpoint: trainer.save_every=N writes them")
+              else "no checkpoint: trainer.save_final=true writes one after the last step")
     print(f"[dagrl] done; run directory: {run_dir} (dagrl report {run_dir}; {export})",
           flush=True)

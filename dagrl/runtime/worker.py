@@ -11,7 +11,7 @@
         sink.finish(step, batch)           metrics reduced over the side's ranks, or (async
                                            rollout rank) the groups pushed to the trainer ranks
         the lead logs them; every trainer.val_every steps: validate; every trainer.save_every
-        steps: checkpoint (each rank writes its shards; atomic commit)
+        steps and after the last: checkpoint (each rank writes its shards; atomic commit)
 
 Sync and async runs are two placements of the same plan (runtime/sides.py): in sync mode every
 rank runs every task; in trainer.mode=async the rollout ranks run the rollout side and the
@@ -499,7 +499,7 @@ class Worker(CheckpointedWorker):
                 self._log(step, metrics)
                 # After a step that finished cleanly: a step that raised (a NaN loss, say)
                 # never reaches this, so the previous checkpoint stays the newest.
-                if t.save_every and (step % t.save_every == 0 or last):
+                if (t.save_every and step % t.save_every == 0) or (last and t.save_final):
                     self.save_checkpoint(step)
         finally:
             if self.logger is not None:
