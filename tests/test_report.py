@@ -263,3 +263,22 @@ def test_the_driver_draws_the_console_from_the_metrics_file(tmp_path, capsys):
         f.write('ard/mean": 0.5}\nnot json\n' + json.dumps({"step": 4, "reward/mean": 1}) + "\n")
     console.close()
     assert capsys.readouterr().out == "step 3: reward=0.5\nstep 4: reward=1\n"
+
+
+def test_the_driver_prints_the_lines_the_workers_wrote(tmp_path, capsys):
+    """The workers' standard output goes to a file the driver prints from, line by line (a line
+    cut mid-write waits for its end), before the steps logged in the same interval."""
+    from dagrl.observe.loggers import MetricsFileConsole
+
+    path, messages = tmp_path / "metrics.jsonl", tmp_path / "console.log"
+    messages.write_text("")
+    console = MetricsFileConsole(path, LoggingConfig(console_every=1, progress_bar=False), 2,
+                                 messages=messages)
+    messages.write_text("[dagrl] pre-flight: train prompts ok\n[dagrl] memo")
+    path.write_text(json.dumps({"step": 1, "reward/mean": 0.5}) + "\n")
+    console.poll()
+    assert capsys.readouterr().out == "[dagrl] pre-flight: train prompts ok\nstep 1: reward=0.5\n"
+    with messages.open("a") as f:
+        f.write("ry: estimated peak 1 GiB\n")
+    console.close()
+    assert capsys.readouterr().out == "[dagrl] memory: estimated peak 1 GiB\n"

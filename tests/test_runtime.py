@@ -93,6 +93,9 @@ def test_ray_two_workers_match_and_a_failing_worker_stops_the_run(tmp_path, one_
     lines = capfd.readouterr().out.splitlines()
     assert any(line.startswith("step 1: reward=") for line in lines), lines
     assert not any("step 1:" in line and "pid=" in line for line in lines), lines
+    # ... and prints the lines the lead wrote (to a file the driver named), without Ray's prefix
+    assert any(line.startswith("[dagrl] pre-flight: train prompts ok") for line in lines), lines
+    assert not any("pid=" in line for line in lines), lines
 
     bad = tmp_path / "rank1_fails.py"
     bad.write_text("import os\n"

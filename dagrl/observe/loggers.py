@@ -90,29 +90,49 @@ class ConsoleLogger:
             self.bar.close()
 
 
-class MetricsFileConsole:
-    """The console of a run whose lead worker is another process on this host (Ray actors):
-    the driver draws the progress bar and the step lines from RUN_DIR/metrics.jsonl as the lead
-    appends to it — one bar on the terminal, not each worker's stderr forwarded line by line."""
+class _AppendedLines:
+    """The whole lines appended to a file since the last read (a file another process writes)."""
 
-    def __init__(self, path: Path, cfg: LoggingConfig, total_steps: int) -> None:
-        self.path, self.cfg, self.total_steps = path, cfg, total_steps
-        # A resumed run's file already holds the earlier steps: only what is appended counts.
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        # A resumed run's metrics file already holds the earlier steps: only what is appended
+        # counts.
         self.position = path.stat().st_size if path.exists() else 0
         self.pending = b""
-        self.console: ConsoleLogger | None = None   # made at the first record: its step
 
-    def poll(self) -> None:
-        """Show the records appended since the last poll."""
+    def read(self) -> list[bytes]:
         try:
             with open(self.path, "rb") as f:
                 f.seek(self.position)
                 chunk = f.read()
         except FileNotFoundError:
-            return
+            return []
         self.position += len(chunk)
         *lines, self.pending = (self.pending + chunk).split(b"\n")
-        for line in lines:
+        return lines
+
+
+class MetricsFileConsole:
+    """The console of a run whose lead worker is another process on this host (Ray actors):
+    the driver draws the progress bar and the step lines from RUN_DIR/metrics.jsonl as the lead
+    appends to it — one bar on the terminal, not each worker's stderr forwarded line by line —
+    and prints the lines the workers wrote to their standard output (`messages`, the file the
+    driver gave them) above the bar, without Ray's `(RayWorker pid=...)` prefix."""
+
+    def __init__(self, path: Path, cfg: LoggingConfig, total_steps: int,
+                 messages: Path | None = None) -> None:
+        self.records = _AppendedLines(path)
+        self.messages = _AppendedLines(messages) if messages is not None else None
+        self.cfg, self.total_steps = cfg, total_steps
+        self.console: ConsoleLogger | None = None   # made at the first record: its step
+
+    def poll(self) -> None:
+        """Show the lines and records appended since the last poll."""
+        for line in self.messages.read() if self.messages is not None else []:
+            text = line.decode(errors="replace")
+            bar = self.console.bar if self.console is not None else None
+            (bar.write if bar is not None else print)(text)
+        for line in self.records.read():
             try:
                 record = json.loads(line)
             except ValueError:   # metrics.jsonl's readers name damaged lines; the bar skips them

@@ -111,7 +111,9 @@ def _run_workers(cfg: Config) -> list[dict[str, float]]:
     cfg_dict["trainer"]["device"] = kind   # every worker uses what the driver reserved
     console = _driver_console(cfg, cfg_dict, workers)
     try:
-        pending = {workers.actors[r].run.remote(cfg_dict, beacon.address): r for r in range(n)}
+        messages = str(console.messages.path) if console is not None else None
+        pending = {workers.actors[r].run.remote(cfg_dict, beacon.address, messages): r
+                   for r in range(n)}
         results: dict[int, list] = {}
         failures: list[Failure] = []
         deadline = None
@@ -146,6 +148,7 @@ def _run_workers(cfg: Config) -> list[dict[str, float]]:
     finally:
         if console is not None:
             console.close()
+            console.messages.path.unlink(missing_ok=True)
         workers.stop()
         beacon.close()
 
@@ -153,8 +156,11 @@ def _run_workers(cfg: Config) -> list[dict[str, float]]:
 def _driver_console(cfg: Config, cfg_dict: dict, workers) -> MetricsFileConsole | None:
     """With every worker on the driver's node, the driver draws the console from the metrics
     file the lead worker writes, and the workers print no bar or step lines of their own (Ray
-    would forward each redraw of a worker's bar as a line of its own, prefixed). Across nodes
-    the file may be on another machine: the workers keep their console."""
+    would forward each redraw of a worker's bar as a line of its own, prefixed), and the lines
+    the workers print, which they write to a file the driver names. Across nodes the files may
+    be on another machine: the workers keep their console."""
+    import tempfile
+
     import ray
 
     here = ray.get_runtime_context().get_node_id()
@@ -164,5 +170,7 @@ def _driver_console(cfg: Config, cfg_dict: dict, workers) -> MetricsFileConsole 
     logging_cfg = cfg_dict["logging"]
     logging_cfg["backends"] = [b for b in logging_cfg["backends"] if b != "console"]
     logging_cfg["progress_bar"] = False
+    fd, messages = tempfile.mkstemp(prefix="dagrl-console-", suffix=".log")
+    os.close(fd)
     return MetricsFileConsole(Path(cfg.trainer.run_dir) / "metrics.jsonl", cfg.logging,
-                              cfg.trainer.total_steps)
+                              cfg.trainer.total_steps, messages=Path(messages))

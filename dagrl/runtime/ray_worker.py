@@ -14,8 +14,10 @@ an actor that is only placed and configured starts quickly.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from dagrl.device import (
@@ -56,9 +58,11 @@ class RayWorker:
         os.environ.update(env)
         return {k: os.environ.get(k) for k in env}
 
-    def run(self, cfg_dict: dict, beacon: tuple[str, int]) -> tuple[str, object]:
+    def run(self, cfg_dict: dict, beacon: tuple[str, int],
+            console: str | None = None) -> tuple[str, object]:
         """Train as the rank `configure` set: ("ok", metrics), or ("failed", Failure) — a
-        worker does not raise into Ray (Ray would print a remote traceback of its own)."""
+        worker does not raise into Ray (Ray would print a remote traceback of its own).
+        `console`: a file to write standard output to, which the driver prints from."""
         from dagrl.config.loader import from_dict
         from dagrl.config.schema import Config
         from dagrl.runtime.failures import Failure, log_failure
@@ -68,7 +72,8 @@ class RayWorker:
         state = WorkerState(int(os.environ["RANK"]))
         try:
             watch_driver(beacon)
-            return "ok", run_worker_from_env(from_dict(Config, cfg_dict), state=state)
+            with _stdout_to(console):
+                return "ok", run_worker_from_env(from_dict(Config, cfg_dict), state=state)
         except BaseException as err:   # noqa: BLE001 — returned to the driver, who reports it
             if orphaned():   # the driver is gone (the watchdog is ending this process)
                 os._exit(ORPHANED_EXIT)
@@ -76,6 +81,17 @@ class RayWorker:
             failure.cause_rank = state.cause_rank
             log_failure(state.run_dir, failure)
             return "failed", failure
+
+
+@contextlib.contextmanager
+def _stdout_to(path: str | None) -> Iterator[None]:
+    """Standard output appended to `path`, a line at a time (several workers may share it: a
+    line written with O_APPEND lands whole)."""
+    if path is None:
+        yield
+        return
+    with open(path, "a", buffering=1) as f, contextlib.redirect_stdout(f):
+        yield
 
 
 @dataclass
