@@ -490,36 +490,25 @@ def test_a_logger_whose_package_is_missing_is_refused_before_any_work(tmp_path, 
     assert not run_dir.exists()
 
 
-def test_a_missing_data_file_is_named_before_torch_loads(tmp_path):
-    """The path check runs when the config is read: no torch or transformers import (seconds)
-    before a typo in a path is reported."""
+@pytest.mark.parametrize("key", ["data.train_files", "model.path"])
+def test_a_missing_path_is_named_before_torch_loads(tmp_path, key):
+    """Data files and model directories are checked from the file system when the config is
+    read: the error line comes before any torch or transformers import (seconds)."""
     import subprocess
 
-    missing = tmp_path / "missing.parquet"
+    missing = tmp_path / "missing"
+    value = f"[{missing}]" if key == "data.train_files" else str(missing)
     code = ("import sys; from dagrl.train import main; "
-            f"rc = main(['data.train_files=[{missing}]', 'trainer.run_dir={tmp_path / 'run'}']); "
+            f"rc = main(['{key}={value}', 'trainer.run_dir={tmp_path / 'run'}']); "
             "print(rc, 'torch' in sys.modules, 'transformers' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=120, check=False)
-    assert proc.stdout.split() == ["1", "False", "False"], proc.stderr
-    assert proc.stderr.strip() == (f"error: {missing}: no such parquet file "
-                                   "(listed in data.train_files)")
-    assert not (tmp_path / "run").exists()
-
-
-def test_a_missing_model_directory_is_named_before_torch_loads(tmp_path):
-    """model.path is checked from the file system when the config is read, like the data files:
-    the error line comes before any torch or transformers import."""
-    import subprocess
-
-    missing = tmp_path / "no-model"
-    code = ("import sys; from dagrl.train import main; "
-            f"rc = main(['model.path={missing}', 'trainer.run_dir={tmp_path / 'run'}']); "
-            "print(rc, 'torch' in sys.modules, 'transformers' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, check=False)
-    assert proc.stdout.split() == ["2", "False", "False"], proc.stderr
-    assert proc.stderr.strip() == (f"error: model.path: {str(missing)!r} is not a directory "
-                                   "(models are loaded from a local directory; nothing is "
-                                   "downloaded)")
+    # a missing data file is a data error (exit 1), a missing model a config error (exit 2)
+    rc, line = {"data.train_files": ("1", f"{missing}: no such parquet file (listed in "
+                                          "data.train_files)"),
+                "model.path": ("2", f"model.path: {str(missing)!r} is not a directory (models "
+                                    "are loaded from a local directory; nothing is "
+                                    "downloaded)")}[key]
+    assert proc.stdout.split() == [rc, "False", "False"], proc.stderr
+    assert proc.stderr.strip() == f"error: {line}"
     assert not (tmp_path / "run").exists()
