@@ -375,14 +375,17 @@ def evaluate(work: Workload, model: Path, train: Path, test: Path, out: Path) ->
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": str(work.threads)}
     log = out / "evaluate.log"
     try:
-        with log.open("a") as output:
-            e2e.run_measured([sys.executable, "-m", "benchmarks.learning_vs_trl", "--evaluate",
-                              str(spec)], env=env, cwd=CHECKOUT, stdout=output)
-    except subprocess.CalledProcessError as err:
-        tail = log.read_text(errors="replace").splitlines()[-15:]
-        raise SystemExit("\n".join(tail) + f"\nevaluation exited with status {err.returncode} "
-                         f"(above: the end of {log}); the scores made are kept") from None
-    finally:   # what was scored before a failure is kept
+        with log.open("a") as output:   # stopped with the bench (run_child), as a side is
+            code, _ = run_child([sys.executable, "-m", "benchmarks.learning_vs_trl",
+                                 "--evaluate", str(spec)], env, output)
+        if code != 0:
+            tail = log.read_text(errors="replace").splitlines()[-15:]
+            raise SystemExit("\n".join(tail) + f"\nevaluation exited with status {code} "
+                             f"(above: the end of {log}); the scores made are kept")
+    except Interrupted:
+        raise SystemExit("evaluation: stopped; run the bench again to score the models left "
+                         "(the scores made are kept)") from None
+    finally:   # what was scored before a failure or a stop is kept
         if results.is_file():
             for line in results.read_text().splitlines():
                 record = json.loads(line)

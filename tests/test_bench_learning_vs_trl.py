@@ -94,3 +94,22 @@ def test_a_side_stopped_by_sigterm_records_its_segment_and_resumes(tmp_path):
     done = Progress(progress)
     assert [seg["from_step"] for seg in done.segments] == [0, saved[-1]]
     assert sorted(done.clock) == list(range(1, 61))
+
+    # Stopped while it scores the checkpoints: the evaluator's process stops with the bench.
+    (out / "evaluations.json").unlink()
+    spec = out / "evaluate.spec.json"
+    spec.unlink()
+    bench = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True)
+
+    def evaluator() -> str:
+        return subprocess.run(["pgrep", "-f", str(spec)], capture_output=True, text=True).stdout
+
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not evaluator():
+        time.sleep(0.2)
+    os.kill(bench.pid, signal.SIGTERM)
+    printed, _ = bench.communicate(timeout=60)
+    assert "evaluation: stopped" in printed, printed
+    time.sleep(1)
+    assert evaluator() == ""
