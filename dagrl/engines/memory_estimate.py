@@ -60,7 +60,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from dagrl.config.model_source import BUILTIN_PREFIX, TINY_FAMILIES
+from dagrl.config.model_source import BUILTIN_PREFIX, TINY_FAMILIES, TINY_REWARD_MODEL
 from dagrl.config.schema import Config
 from dagrl.device import HOST
 from dagrl.engines.layout import EngineLayout, rollout_owns_memory
@@ -72,7 +72,6 @@ from dagrl.engines.models import (
     tiny_model_config,
 )
 from dagrl.engines.tensor_parallel import split_dims
-from dagrl.engines.tiny_reward_model import NAME as TINY_RM
 from dagrl.engines.tiny_reward_model import tiny_digit_rm_config
 from dagrl.rollout import rollout_backend
 
@@ -151,7 +150,7 @@ def _config_at(path: str, gguf_file: str):
     reward model (no weights read)."""
     from transformers import AutoConfig
 
-    if path == BUILTIN_PREFIX + TINY_RM:
+    if path == BUILTIN_PREFIX + TINY_REWARD_MODEL:
         return tiny_digit_rm_config()
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     return AutoConfig.from_pretrained(resolve_builtin_model(path, "", hidden_size=0, layers=0,

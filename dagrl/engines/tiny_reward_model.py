@@ -34,7 +34,6 @@ from dagrl.engines.models import (
 )
 from dagrl.engines.reward_model import render_pair
 
-NAME = TINY_REWARD_MODEL
 # Bump when the training recipe below changes: the cache key of the trained model.
 RECIPE = 1
 DIGITS = "0123456789"
@@ -102,8 +101,8 @@ def write_tiny_digit_rm(out_dir: str | Path, *, seed: int = 0) -> Path:
     """Train the tiny reward model and write it as a HF directory (atomically, like the tiny
     policies: a crash never leaves a half-written model)."""
     model, tokenizer, error = train_tiny_digit_rm(seed=seed)
-    note = (f"{NAME}: trained in code (dagrl/engines/tiny_reward_model.py), seed {seed}; "
-            f"held-out mean absolute error {error:.4f} on the digit share in [0, 1]\n")
+    note = (f"{TINY_REWARD_MODEL}: trained in code (dagrl/engines/tiny_reward_model.py), "
+            f"seed {seed}; held-out mean absolute error {error:.4f} on the digit share in [0, 1]\n")
     return write_model_dir(Path(out_dir), model, tokenizer, {"TRAINING.txt": note})
 
 
@@ -120,7 +119,7 @@ def copy_tiny_digit_rm(out_dir: str | Path, *, seed: int = 0) -> Path:
     that start at once (parallel test workers, the ranks of a run) train it once: the first
     holds a lock on the cache entry, the others wait and copy its model."""
     out_dir = Path(out_dir)
-    cached = cache_dir() / f"{NAME}-s{seed}-r{RECIPE}"
+    cached = cache_dir() / f"{TINY_REWARD_MODEL}-s{seed}-r{RECIPE}"
     if not (cached / "config.json").exists():
         cached.parent.mkdir(parents=True, exist_ok=True)
         with open(cached.parent / f"{cached.name}.lock", "w") as lock:

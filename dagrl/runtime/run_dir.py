@@ -13,11 +13,10 @@ import time
 from pathlib import Path
 
 from dagrl.config.loader import dump_yaml
-from dagrl.config.model_source import BUILTIN_PREFIX
+from dagrl.config.model_source import BUILTIN_PREFIX, TINY_REWARD_MODEL
 from dagrl.config.schema import Config
 from dagrl.data.makers import MAKERS
 from dagrl.engines.models import resolve_builtin_model
-from dagrl.engines.tiny_reward_model import NAME as TINY_RM
 from dagrl.engines.tiny_reward_model import copy_tiny_digit_rm
 
 
@@ -39,10 +38,10 @@ def resolve_builtin_reward_model(path: str, out_root: Path, *, seed: int) -> str
     into the cache: dagrl/engines/tiny_reward_model.py); other paths pass through."""
     if not path.startswith(BUILTIN_PREFIX):
         return path
-    if path != BUILTIN_PREFIX + TINY_RM:
+    if path != BUILTIN_PREFIX + TINY_REWARD_MODEL:
         raise ValueError(f"reward_model.path: unknown built-in reward model {path!r}; the only "
-                         f"one is {BUILTIN_PREFIX + TINY_RM}")
-    out = out_root / f"{TINY_RM}-s{seed}"
+                         f"one is {BUILTIN_PREFIX + TINY_REWARD_MODEL}")
+    out = out_root / f"{TINY_REWARD_MODEL}-s{seed}"
     if not (out / "config.json").exists():
         copy_tiny_digit_rm(out, seed=seed)
     return str(out)
