@@ -75,6 +75,7 @@ def plan_main(argv: Sequence[str]) -> int:
 
 
 def _memory_estimate(cfg, plans, sides=None) -> str:
+    from dagrl.engines.checkpointing_choice import choose_here
     from dagrl.engines.memory_estimate import (
         estimate_memory,
         format_estimate,
@@ -87,11 +88,15 @@ def _memory_estimate(cfg, plans, sides=None) -> str:
 
     has_ref = any("ref" in engines_of(p) for p in plans)
     has_critic = any("critic" in engines_of(p) for p in plans)
-    lines = estimate_memory(cfg, model_shape(cfg), has_ref=has_ref, has_critic=has_critic,
+    shape, runtime, choice = model_shape(cfg), host_rss_bytes(), ""
+    if cfg.actor.activation_checkpointing == "auto":
+        cfg, choice = choose_here(cfg, shape, runtime, has_ref=has_ref, has_critic=has_critic)
+        choice = f"\n{choice} (on this machine now; the run decides when it starts)"
+    lines = estimate_memory(cfg, shape, has_ref=has_ref, has_critic=has_critic,
                             **_side_layouts(cfg, plans, sides))
     with_ref = {name for name in cfg.models if any("ref" in engines_of(p, name) for p in plans)}
     lines += other_model_lines(cfg, other_model_shapes(cfg), with_ref)
-    return "memory per rank:\n" + format_estimate(lines, runtime_bytes=host_rss_bytes())
+    return "memory per rank:\n" + format_estimate(lines, runtime_bytes=runtime) + choice
 
 
 def _side_layouts(cfg, plans, sides) -> dict:

@@ -129,6 +129,26 @@ def peak_memory_bytes(device: torch.device) -> int | None:
     return int(getattr(torch, device.type).max_memory_allocated(device))
 
 
+def free_memory_bytes(device: torch.device, ranks_here: int = 1) -> int | None:
+    """Memory this rank may still fill: on the host, what the kernel reports available
+    (MemAvailable) shared by the host's `ranks_here` ranks, plus this process's own resident
+    set (already counted as used); on an accelerator, the driver's free memory of the device.
+    None where it cannot be read."""
+    import torch
+
+    if not is_host(device):
+        free, _ = getattr(torch, device.type).mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    from dagrl.observe.memory import host_rss_bytes
+
+    return kib * 1024 // max(ranks_here, 1) + host_rss_bytes()
+
+
 def profiler_for(kind: str):
     """(profile, activities) for this device type: torch.profiler recording CPU (and CUDA)
     activity, or torch_npu's profiler with the NPU activity on Ascend."""

@@ -159,3 +159,57 @@ def test_the_vllm_engines_copy_and_pool_are_counted_per_rollout_layout():
     assert one["KV cache"] == 2**30 and two["KV cache"] == 2**29
     server = _lines("rollout.backend=server", "rollout.server.urls=[http://127.0.0.1:1]")
     assert server["rollout weights"] == 0 and server["KV cache"] == 0
+
+
+def test_auto_checkpointing_decides_on_the_estimate_without_it():
+    from dagrl.engines.checkpointing_choice import (
+        FILL,
+        checkpointing_needed,
+        describe_choice,
+        peak_without_checkpointing,
+    )
+
+    cfg = load_config(Config, None, ["actor.activation_checkpointing=auto"])
+    peak = peak_without_checkpointing(cfg, model_shape(cfg), 100, has_ref=True,
+                                      has_critic=False)
+    off = load_config(Config, None, ["actor.activation_checkpointing=false"])
+    on = load_config(Config, None, ["actor.activation_checkpointing=true"])
+    assert peak == estimated_peak(estimate_memory(off, model_shape(off)), 100)
+    assert peak > estimated_peak(estimate_memory(on, model_shape(on)), 100)
+    assert not checkpointing_needed(peak, int(peak / FILL) + 1)
+    assert checkpointing_needed(peak, int(peak / FILL) - 1)
+    assert checkpointing_needed(peak, None)          # unknown free memory: the safe side
+    assert describe_choice(False, peak, 2**40).startswith(
+        "actor.activation_checkpointing=auto: off (estimated peak")
+
+
+@pytest.mark.parametrize("free_gib, checkpointed", [(64.0, False), (1e-3, True)])
+def test_a_run_resolves_auto_checkpointing_before_building_the_actor(
+        tmp_path, monkeypatch, capsys, free_gib, checkpointed):
+    """The worker turns auto into on or off from the memory free to it (here set by the test)
+    before the engines exist, logs why, and builds the actor accordingly."""
+    import dagrl.runtime.worker as worker_module
+    from dagrl.runtime.run_dir import prepare_run
+
+    monkeypatch.setattr(worker_module, "free_memory_bytes",
+                        lambda device, ranks_here: int(free_gib * 2**30))
+    cfg = load_config(Config, None, [f"trainer.run_dir={tmp_path / 'run'}",
+                                     "actor.activation_checkpointing=auto",
+                                     "trainer.total_steps=1", "trainer.torch_threads=1",
+                                     "logging.progress_bar=false"])
+    worker = worker_module.Worker(prepare_run(cfg))
+    assert worker.cfg.actor.activation_checkpointing is checkpointed
+    model = worker.engines.actor.model     # transformers >= 5.20 renamed the flag
+    flag = getattr(model, "is_activation_checkpointing", None)
+    assert (model.is_gradient_checkpointing if flag is None else flag) is checkpointed
+    line = next(x for x in capsys.readouterr().out.splitlines() if "=auto:" in x)
+    assert ("auto: on" if checkpointed else "auto: off") in line and "GiB free" in line
+
+
+def test_plan_memory_says_what_auto_checkpointing_would_choose(capsys):
+    from dagrl.cli import main
+
+    assert main(["plan", "--memory", "actor.activation_checkpointing=auto"]) == 0
+    out = capsys.readouterr().out
+    # a tiny model fits any machine that runs this test
+    assert "actor.activation_checkpointing=auto: off (estimated peak" in out

@@ -275,8 +275,11 @@ class ActorConfig(OptimConfig):
     max_tokens_per_micro_batch: int = 0
     # Keep only each decoder layer's input during the update's forward and recompute the layer
     # in backward (transformers' activation checkpointing): the saved activations shrink from
-    # every layer's intermediates to one hidden state per layer, for about one more forward.
-    activation_checkpointing: bool = False
+    # every layer's intermediates to one hidden state per layer, for about one more forward
+    # (+30-45% update time on CPU). auto: off when `dagrl plan --memory`'s estimated peak
+    # without it fits in 85% of the memory free to this rank when the engines are built, on
+    # otherwise (engines/checkpointing_choice.py; the worker logs which and why).
+    activation_checkpointing: bool | Literal["auto"] = False
     ppo_epochs: int = 1
     # When a batch gets exactly one optimizer step (ppo_epochs=1, mini_batch_size =
     # data.train_batch_size) and no KL penalty is folded into the reward, the policy that

@@ -413,7 +413,8 @@ def _activation_line(cfg: Config, shape: ModelShape, layout: EngineLayout,
     local = tokens / sp                                   # Ulysses: this rank's tokens
     if a.activation_checkpointing:
         act = local * h * b * shape.layers + local * per_layer_token
-        note += ", checkpointed"
+        note += ", checkpointed" + (" (auto: decided when the run starts)"
+                                    if a.activation_checkpointing == "auto" else "")
     else:
         act = local * per_layer_token * shape.layers
     if sp > 1:

@@ -41,14 +41,21 @@ from dagrl.data.batch import Batch
 from dagrl.data.buffer import balance, reshard
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
 from dagrl.data.replicas import from_replicas, to_replicas
-from dagrl.device import is_host
+from dagrl.device import free_memory_bytes, is_host
 from dagrl.engines.bundle import build_engines
+from dagrl.engines.checkpointing_choice import (
+    checkpointing_needed,
+    describe_choice,
+    peak_without_checkpointing,
+    with_checkpointing,
+)
 from dagrl.engines.host_memory import release_freed_memory
 from dagrl.engines.layout import EngineLayout
 from dagrl.engines.memory_estimate import (
     ModelShape,
     estimate_memory,
     estimated_peak,
+    model_shape,
     other_model_lines,
     other_model_shapes,
 )
@@ -139,6 +146,8 @@ class Worker(CheckpointedWorker):
             check_cpu_threads(t.torch_threads, self.dist.local_world_size, self.log,
                               async_trainer_threads=t.async_trainer_threads)
         check_mixed_precision(cfg.model.mixed_precision, self.device, self.log)
+        if cfg.actor.activation_checkpointing == "auto":
+            self.cfg = cfg = self._choose_checkpointing(cfg, needed, runtime_rss)
         self._build_engines(needed, tokenizer)
         if self.loader is not None and self.loader.dropped_per_epoch:
             self.log(f"data: {self.loader.dropped_per_epoch} prompt(s) per epoch do not fill a "
@@ -209,6 +218,9 @@ class Worker(CheckpointedWorker):
         self.model_engines = {}
         for name in cfg.models:
             own = model_config(cfg, name)
+            if own.actor.activation_checkpointing == "auto":
+                own = self._choose_checkpointing(own, self.engines_needed(own, name),
+                                                 host_rss_bytes())
             layout = EngineLayout.of(own, self.world_size, side_ranks=self.layout.side_ranks,
                                      side=self.layout.side, device_type=self.device.type
                                      ) if kind != "all" else None
@@ -261,6 +273,26 @@ class Worker(CheckpointedWorker):
         if layout.hsdp:
             return hsdp_mesh(trainer.ranks, layout.fsdp_shard_size, self.device.type), None
         return None, None
+
+    def _choose_checkpointing(self, cfg: Config, needed: set[str], runtime_rss: int
+                              ) -> Config:
+        """`cfg` with actor.activation_checkpointing=auto resolved on the side's estimated peak
+        without it and its least free memory, so every rank decides alike (collective).
+        `runtime_rss`: what this process holds outside the estimate (before an extra policy's
+        engines: the main policy's too)."""
+        # On an accelerator the estimate is of device memory, which the host runtime is not.
+        runtime = runtime_rss if is_host(self.device) else 0
+        peak = peak_without_checkpointing(cfg, model_shape(cfg), runtime,
+                                          has_ref="ref" in needed,
+                                          has_critic="critic" in needed)
+        ranks_here = self.dist.local_world_size if is_host(self.device) else 1
+        free = free_memory_bytes(self.device, ranks_here)
+        peak = int(self.side.max(peak))
+        least_free = -self.side.max(-(free if free is not None else 0))
+        free = int(least_free) if least_free > 0 else None
+        on = checkpointing_needed(peak, free)
+        self.log(describe_choice(on, peak, free))
+        return with_checkpointing(cfg, on)
 
     def _estimate_memory(self, needed: set[str], runtime_rss: int) -> float:
         """The plan's estimate, for the report beside the measured peak: the largest over the
