@@ -131,9 +131,8 @@ def peak_memory_bytes(device: torch.device) -> int | None:
 
 def free_memory_bytes(device: torch.device, ranks_here: int = 1) -> int | None:
     """Memory this rank may still fill: on the host, what the kernel reports available
-    (MemAvailable) shared by the host's `ranks_here` ranks, plus this process's own resident
-    set (already counted as used); on an accelerator, the driver's free memory of the device.
-    None where it cannot be read."""
+    (MemAvailable) shared by the host's `ranks_here` ranks; on an accelerator, the driver's
+    free memory of the device. None where it cannot be read."""
     import torch
 
     if not is_host(device):
@@ -144,9 +143,7 @@ def free_memory_bytes(device: torch.device, ranks_here: int = 1) -> int | None:
             kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError, IndexError):
         return None
-    from dagrl.observe.memory import host_rss_bytes
-
-    return kib * 1024 // max(ranks_here, 1) + host_rss_bytes()
+    return kib * 1024 // max(ranks_here, 1)
 
 
 def profiler_for(kind: str):

@@ -191,7 +191,7 @@ def test_a_run_resolves_auto_checkpointing_before_building_the_actor(
     import dagrl.runtime.worker as worker_module
     from dagrl.runtime.run_dir import prepare_run
 
-    monkeypatch.setattr(worker_module, "free_memory_bytes",
+    monkeypatch.setattr(worker_module, "room_for_rank",
                         lambda device, ranks_here: int(free_gib * 2**30))
     cfg = load_config(Config, None, [f"trainer.run_dir={tmp_path / 'run'}",
                                      "actor.activation_checkpointing=auto",

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from dagrl.algorithms.utils import entropy_from_logits, logprobs_from_logits
+from dagrl.data.batch import position_ids_from_mask
 from dagrl.engines.forward import response_logprobs
 from dagrl.engines.models import load_model, write_tiny_model
-from dagrl.rollout.base import position_ids_from_mask
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ is read, before torch and transformers load (seconds)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 from dagrl.config.loader import ConfigError
@@ -13,7 +14,10 @@ from dagrl.config.schema import Config
 
 BUILTIN_PREFIX = "builtin:"
 PACKAGE_PREFIX = "package:"
-TINY_FAMILIES = ("tiny-qwen2", "tiny-llama")
+# The built-in tiny models, written from a config on first use (engines/models.py); the
+# image-text one (engines/tiny_vlm.py) is a Qwen2.5-VL with a small vision tower.
+TINY_VLM = "tiny-qwen2.5-vl"
+TINY_FAMILIES = ("tiny-qwen2", "tiny-llama", TINY_VLM)
 # The built-in reward model (engines/tiny_reward_model.py): trained on first use, then cached.
 TINY_REWARD_MODEL = "tiny-digit-rm"
 
@@ -75,3 +79,23 @@ def check_model_sources(cfg: Config) -> None:
                            builtins=(TINY_REWARD_MODEL,))
     if cfg.reward.source == "judge":
         check_model_source(cfg.judge.path, cfg.judge.gguf_file, section="judge")
+
+
+def model_reads_images(path: str) -> bool:
+    """Whether the model at `path` (a HF directory) has a vision tower: its config.json names a
+    vision_config. Of the built-in models only the image-text one does; GGUF models read text
+    only."""
+    if path.startswith(BUILTIN_PREFIX):
+        return path == BUILTIN_PREFIX + TINY_VLM
+    if path.startswith(PACKAGE_PREFIX):
+        try:
+            path = package_dir(path)
+        except FileNotFoundError:
+            return False
+    config = Path(path) / "config.json"
+    if not config.is_file():
+        return False
+    try:
+        return "vision_config" in json.loads(config.read_text())
+    except (OSError, ValueError):
+        return False

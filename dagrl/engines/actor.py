@@ -20,6 +20,7 @@ from dagrl.algorithms.policy_loss import POLICY_LOSSES, PolicyLossParams, pinned
 from dagrl.algorithms.rollout_correction import RolloutCorrectionParams
 from dagrl.config.schema import ActorConfig, AlgorithmConfig, RolloutCorrectionConfig
 from dagrl.data.batch import Batch, response_attention
+from dagrl.data.vision import batch_images
 from dagrl.engines.forward import batch_logprob_stats, response_logprobs
 from dagrl.engines.layout import EngineLayout
 from dagrl.engines.lora import (
@@ -93,7 +94,7 @@ class ActorEngine(TrainEngine):
                                     attention_mask=response_attention(micro),
                                     temperature=self.temperature,
                                     with_entropy=True, chunk_tokens=self.cfg.logits_chunk_tokens,
-                                    pack=self.pack)
+                                    pack=self.pack, images=batch_images(micro))
         # Without an old_logprob pass the batch gets one optimizer step (checked in
         # check_batch): pi_old = pi, as a constant. In sync mode pi generated the batch; in async
         # mode pi is up to max_staleness versions newer, and pi_old = pi is what a recomputed

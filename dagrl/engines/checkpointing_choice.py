@@ -39,6 +39,18 @@ def peak_without_checkpointing(cfg: Config, shape: ModelShape, runtime_bytes: in
     return estimated_peak(lines, runtime_bytes)
 
 
+def room_for_rank(device, ranks_here: int) -> int | None:
+    """The memory this rank's estimated peak may fill: the device's free memory, and on the
+    host also what this process already holds (the estimate counts it: its runtime line)."""
+    from dagrl.device import free_memory_bytes, is_host
+    from dagrl.observe.memory import host_rss_bytes
+
+    free = free_memory_bytes(device, ranks_here)
+    if free is None or not is_host(device):
+        return free
+    return free + host_rss_bytes()
+
+
 def checkpointing_needed(peak_bytes: int, free_bytes: int | None) -> bool:
     """Whether the update needs checkpointing: its peak without it over FILL of the free
     memory (or the free memory unknown)."""
@@ -59,12 +71,12 @@ def choose_here(cfg: Config, shape: ModelShape, runtime_bytes: int, *, has_ref: 
     """What auto would choose for a run started on this machine now (`dagrl plan --memory`):
     the config resolved and the line saying why. The run decides again when its workers build
     their engines, on the memory free then."""
-    from dagrl.device import device_type, free_memory_bytes, is_host, worker_device
+    from dagrl.device import device_type, is_host, worker_device
 
     device = worker_device(device_type(cfg.trainer.device))
     host = is_host(device)
     peak = peak_without_checkpointing(cfg, shape, runtime_bytes if host else 0,
                                       has_ref=has_ref, has_critic=has_critic)
-    free = free_memory_bytes(device, cfg.trainer.n_workers if host else 1)
+    free = room_for_rank(device, cfg.trainer.n_workers if host else 1)
     on = checkpointing_needed(peak, free)
     return with_checkpointing(cfg, on), describe_choice(on, peak, free)

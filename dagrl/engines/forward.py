@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from dagrl.algorithms.utils import entropy_from_logits, logprobs_from_logits
-from dagrl.data.batch import Batch, response_attention
+from dagrl.data.batch import Batch, position_ids_from_mask, response_attention
+from dagrl.data.vision import ImageInputs, batch_images, image_kwargs, rope_positions
 from dagrl.engines.micro_batches import micro_batches
 from dagrl.engines.ulysses import SequenceShard, sequence_parallel_mesh, shard_sequence, sum_rows
 from dagrl.engines.vocab_parallel import is_vocab_sharded, vocab_parallel_token_stats
-from dagrl.rollout.hf import position_ids_from_mask
 
 # Rows of [tokens, vocab] logits computed at once by the head of a teacher-forced pass.
 DEFAULT_CHUNK_TOKENS = 1024
@@ -169,7 +169,8 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
                       temperature: float = 1.0, with_entropy: bool = False,
                       chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                       pack: bool = False,
-                      with_sum_pi_squared: bool = False) -> ResponseLogprobs:
+                      with_sum_pi_squared: bool = False,
+                      images: ImageInputs | None = None) -> ResponseLogprobs:
     """log softmax(z_t / T)[y_t] for every response token y_t: [B, R] (0 where masked).
 
     prompt_ids/prompt_mask: [B, P] left-padded; responses/response_mask: [B, R] right-padded.
@@ -183,7 +184,12 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
     hidden states (`logits_to_keep`). A model set up for sequence parallelism (ulysses.py)
     runs 1/sp of the columns of either layout on each rank; the per-token results are summed
     over the sp group, so every rank returns the whole [B, R].
+    `images`: the rows' images in row order, for an image-text model (data/vision.py);
+    its tokens then get M-RoPE positions (padded layout only).
     """
+    if images is not None and (pack or sequence_parallel_mesh(model) is not None):
+        raise ValueError("images go through the padded layout only: M-RoPE positions are not "
+                         "computed for packed rows or sequence shards")
     batch, resp_len = responses.shape
     attention_mask = response_mask if attention_mask is None else attention_mask
     used = response_mask.bool()                                               # [B, R]
@@ -214,8 +220,10 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
     else:
         input_ids, attention, _, last = _trimmed_inputs(prompt_ids, prompt_mask, responses,
                                                         attention_mask)
-        kwargs = {"attention_mask": attention,
-                  "position_ids": position_ids_from_mask(attention), "logits_to_keep": last + 1}
+        positions = (position_ids_from_mask(attention) if images is None
+                     else rope_positions(model, input_ids, attention, images)[0])
+        kwargs = {"attention_mask": attention, "position_ids": positions,
+                  "logits_to_keep": last + 1, **image_kwargs(images)}
 
         def pick(hidden: torch.Tensor) -> torch.Tensor:                      # [B, K, H]
             # hidden ends with the last input position, which predicts nothing here; the R'
@@ -277,7 +285,8 @@ def batch_logprob_stats(model: torch.nn.Module, batch: Batch, *, micro_batch_siz
             res = response_logprobs(
                 model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
                 attention_mask=response_attention(mb), temperature=temperature,
-                chunk_tokens=chunk_tokens, pack=pack, with_sum_pi_squared=with_sum_pi_squared)
+                chunk_tokens=chunk_tokens, pack=pack, with_sum_pi_squared=with_sum_pi_squared,
+                images=batch_images(mb))
             out[idx.to(out.device)] = res.logprobs
             if sum_sq is not None:
                 sum_sq[idx.to(out.device)] = res.sum_pi_squared

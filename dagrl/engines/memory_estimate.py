@@ -67,9 +67,9 @@ from dagrl.engines.layout import EngineLayout, rollout_owns_memory
 from dagrl.engines.model_build import actor_model, meta_model, reference_model
 from dagrl.engines.models import (
     DTYPES,
-    build_char_tokenizer,
     resolve_builtin_model,
     tiny_model_config,
+    tiny_tokenizer,
 )
 from dagrl.engines.tensor_parallel import split_dims
 from dagrl.engines.tiny_reward_model import tiny_digit_rm_config
@@ -94,12 +94,16 @@ class ModelShape:
     config: object = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of(cls, c) -> ModelShape:
+    def of(cls, config) -> ModelShape:
+        # an image-text model's decoder (its vision tower's states come from `config`)
+        c = config.get_text_config() if hasattr(config, "get_text_config") else config
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         return cls(c.hidden_size, c.num_hidden_layers, c.num_attention_heads,
                    c.num_key_value_heads or c.num_attention_heads, head_dim,
-                   c.intermediate_size, c.vocab_size, bool(c.tie_word_embeddings),
-                   bool(getattr(c, "attention_bias", c.model_type == "qwen2")), config=c)
+                   c.intermediate_size, c.vocab_size,
+                   bool(getattr(c, "tie_word_embeddings", config.tie_word_embeddings)),
+                   bool(getattr(c, "attention_bias", c.model_type.startswith("qwen2"))),
+                   config=config)
 
     @property
     def linear_params(self) -> int:
@@ -135,8 +139,9 @@ def model_config(cfg: Config):
     """The configured model's HF config (config.json or the GGUF header; no weights read)."""
     m = cfg.model
     if m.path.startswith(BUILTIN_PREFIX) and m.path[len(BUILTIN_PREFIX):] in TINY_FAMILIES:
-        return tiny_model_config(m.path[len(BUILTIN_PREFIX):], len(build_char_tokenizer()),
-                                 m.tiny_hidden_size, m.tiny_layers, heads=m.tiny_heads)
+        family = m.path[len(BUILTIN_PREFIX):]
+        return tiny_model_config(family, len(tiny_tokenizer(family)), m.tiny_hidden_size,
+                                 m.tiny_layers, heads=m.tiny_heads)
     return _config_at(m.path, m.gguf_file)
 
 

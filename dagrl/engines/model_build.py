@@ -19,7 +19,7 @@ from transformers import (
 from dagrl.config.schema import LoraConfig
 from dagrl.engines.layout import EngineLayout
 from dagrl.engines.lora import apply_lora
-from dagrl.engines.models import DTYPES, plain_config
+from dagrl.engines.models import DTYPES, causal_lm_class, plain_config
 from dagrl.engines.precision import store_linears_in_low_precision
 
 # The HF class of each kind of model dagrl loads: the policy (and its reference and rollout
@@ -50,5 +50,6 @@ def meta_model(config, dtype: str, head: str = "causal_lm") -> torch.nn.Module:
     config = copy.deepcopy(plain_config(config))
     if head != "causal_lm":
         config.num_labels = 1
+    auto = causal_lm_class(config) if head == "causal_lm" else HEADS[head]
     with torch.device("meta"):
-        return HEADS[head].from_config(config, dtype=DTYPES[dtype])
+        return auto.from_config(config, dtype=DTYPES[dtype])

@@ -21,6 +21,7 @@ import torch
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoTokenizer,
     LlamaConfig,
     PreTrainedModel,
@@ -34,11 +35,18 @@ from dagrl.config.model_source import (
     BUILTIN_PREFIX,
     PACKAGE_PREFIX,
     TINY_FAMILIES,
+    TINY_VLM,
     check_model_dir,
     package_dir,
 )
 from dagrl.device import host_device
 from dagrl.engines.attention import resolve_attn_implementation
+from dagrl.engines.tiny_vlm import (
+    EXTRA_CHARACTERS,
+    add_vision_tokens,
+    tiny_image_processor,
+    tiny_vlm_config,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,15 +64,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
           "float64": torch.float64}
 
 
-def build_char_tokenizer() -> PreTrainedTokenizerFast:
+def build_char_tokenizer(extra_characters: list[str] | None = None) -> PreTrainedTokenizerFast:
     """A character-level tokenizer built in code with the `tokenizers` library.
 
     Each character is one token (a regex pre-tokenizer isolates every character, a word-level
-    model maps it to an id) and decoding fuses tokens back without spaces.
+    model maps it to an id) and decoding fuses tokens back without spaces. `extra_characters`
+    follow the tiny models' own (the tiny image-text model's, engines/tiny_vlm.py).
     """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARACTERS)}
+    characters = SPECIAL_TOKENS + CHARACTERS + list(extra_characters or [])
+    vocab = {tok: i for i, tok in enumerate(characters)}
     core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     core.decoder = decoders.Fuse()
@@ -92,6 +102,8 @@ def tiny_model_config(family: str, vocab_size: int, hidden_size: int, layers: in
         return Qwen2Config(**common)
     if family == "tiny-llama":
         return LlamaConfig(**common)
+    if family == TINY_VLM:
+        return tiny_vlm_config(tiny_tokenizer(family), hidden_size, layers, heads)
     raise ValueError(f"unknown tiny model {family!r}; choose one of {', '.join(TINY_FAMILIES)}")
 
 
@@ -104,25 +116,39 @@ def write_tiny_model(out_dir: str | Path, family: str = "tiny-qwen2", *, hidden_
     a half-written model that a later run would try to load.
     """
     out_dir = Path(out_dir)
-    tokenizer = build_char_tokenizer()
+    tokenizer = tiny_tokenizer(family)
     config = tiny_model_config(family, len(tokenizer), hidden_size, layers, heads=heads,
                                kv_heads=kv_heads)
     hf_logging.disable_progress_bar()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config)
-    return write_model_dir(out_dir, model, tokenizer)
+        model = causal_lm_class(config).from_config(config)
+    # an image-text model's directory holds its image processor too
+    savers = (tiny_image_processor(),) if family == TINY_VLM else ()
+    return write_model_dir(out_dir, model, tokenizer, savers=savers)
 
 
-def write_model_dir(out_dir: Path, model, tokenizer, extra: dict[str, str] | None = None) -> Path:
-    """Save `model` and `tokenizer` (and `extra` text files, by name) as the HF directory
-    `out_dir`, written in a temporary sibling and renamed into place, so a crash never leaves
-    a half-written model that a later run would try to load."""
+def tiny_tokenizer(family: str) -> PreTrainedTokenizerFast:
+    """The character tokenizer of a tiny model family (the image-text one's has more
+    characters and the vision tokens, engines/tiny_vlm.py)."""
+    if family == TINY_VLM:
+        return add_vision_tokens(build_char_tokenizer(EXTRA_CHARACTERS))
+    return build_char_tokenizer()
+
+
+def write_model_dir(out_dir: Path, model, tokenizer, extra: dict[str, str] | None = None,
+                    savers: tuple = ()) -> Path:
+    """Save `model` and `tokenizer` (and `extra` text files, by name, and each of `savers`'
+    `save_pretrained`: an image processor) as the HF directory `out_dir`, written in a
+    temporary sibling and renamed into place, so a crash never leaves a half-written model
+    that a later run would try to load."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        for saver in savers:
+            saver.save_pretrained(tmp)
         for name, text in (extra or {}).items():
             (tmp / name).write_text(text)
         if out_dir.exists():
@@ -262,7 +288,8 @@ def load_model(path: str, gguf_file: str = "", dtype: str = "float32",
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
     hf_logging.disable_progress_bar()   # one bar per model load is noise in a training log
     with _quiet_gguf_conversion() if gguf_file else nullcontext():
-        model = AutoModelForCausalLM.from_pretrained(
+        config = AutoConfig.from_pretrained(path, local_files_only=True, **kwargs)
+        model = causal_lm_class(config).from_pretrained(
             path, local_files_only=True, dtype=DTYPES[dtype],
             attn_implementation=resolve_attn_implementation(attn_implementation, device),
             **kwargs)
@@ -270,6 +297,13 @@ def load_model(path: str, gguf_file: str = "", dtype: str = "float32",
     # and update passes; RL post-training runs with it off.
     _disable_dropout(model)
     return model.to(device)
+
+
+def causal_lm_class(config) -> type:
+    """The auto class of a config's generating model: an image-text model's (its vision tower
+    and language model, e.g. Qwen2.5-VL) or a causal LM's."""
+    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None \
+        else AutoModelForCausalLM
 
 
 def _disable_dropout(model: torch.nn.Module) -> None:

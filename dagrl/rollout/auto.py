@@ -29,6 +29,8 @@ class AutoRollout(RolloutBackend):
     trainer_numerics = True
     # Native reads the actor's weights when it supports the model (hf then never runs).
     shares_actor_weights = NativeRollout.shares_actor_weights
+    # An image-text model is not one the native decoder runs: hf generates for it.
+    generates_from_images = HFRollout.generates_from_images
 
     @staticmethod
     def resolve(model: torch.nn.Module) -> type[ModelCopy]:

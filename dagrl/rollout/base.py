@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import torch
 
 from dagrl.config.loader import ConfigError
+from dagrl.config.model_source import model_reads_images
 from dagrl.rollout.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -103,6 +104,9 @@ class RolloutBackend:
     # The multi-turn agent loop (multi_turn.py) can drive it: it only needs `generate` over
     # left-padded contexts and the engine's `stop_token_ids`.
     multi_turn: ClassVar[bool] = True
+    # It runs an image-text model on prompts with images (`generate(..., images=)`: the
+    # pixels go into the prefill, data/vision.py).
+    generates_from_images: ClassVar[bool] = False
 
     @classmethod
     def check_config(cls, cfg: Config) -> None:
@@ -115,6 +119,10 @@ class RolloutBackend:
             raise ConfigError(f"trainer.mode=async with rollout.backend={name}: it cannot take "
                               "the new weights the trainer ranks send; use a backend that "
                               "does, or trainer.mode=sync")
+        if not cls.generates_from_images and model_reads_images(cfg.model.path):
+            raise ConfigError(f"model.path={cfg.model.path} is an image-text model and "
+                              f"rollout.backend={name} takes no images in its prompts; use "
+                              "rollout.backend=hf (or auto)")
         if cfg.rollout.multi_turn.enable and not cls.multi_turn:
             raise ConfigError(f"rollout.multi_turn.enable with rollout.backend={name}: this "
                               "backend cannot run the multi-turn agent loop")
@@ -157,11 +165,6 @@ class RolloutBackend:
         generate with an HF model in this process can."""
         raise ValueError(f"{cls.__name__} generates with weights of its own, not with a model "
                          "handed to it; use auto, native or hf")
-
-
-def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding: [B, L] mask -> [B, L] ids (0 at the first real token)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def stop_tokens(eos_token_id: int, extra: Sequence[int]) -> list[int]:

@@ -14,7 +14,15 @@ import inspect
 import torch
 
 from dagrl.algorithms.utils import logprobs_from_logits
-from dagrl.rollout.base import GenerationOutput, ModelCopy, position_ids_from_mask
+from dagrl.data.batch import position_ids_from_mask
+from dagrl.data.vision import (
+    ImageInputs,
+    image_kwargs,
+    image_token_id,
+    reads_images,
+    rope_positions,
+)
+from dagrl.rollout.base import GenerationOutput, ModelCopy
 from dagrl.rollout.registry import ROLLOUT_BACKENDS
 from dagrl.rollout.sampling import SamplingParams, logprob_temperature, sample_next_token
 
@@ -35,23 +43,39 @@ class HFRollout(ModelCopy):
     # train mode (dropout, activation checkpointing): it generates with an eval-mode copy.
     shares_actor_weights = False
 
+    # An image-text model's images go into its prefill (data/vision.py).
+    generates_from_images = True
+
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  sample_seed: torch.Tensor, params: SamplingParams, *, max_new_tokens: int,
-                 min_new_tokens: int = 0) -> GenerationOutput:
+                 min_new_tokens: int = 0, images: ImageInputs | None = None
+                 ) -> GenerationOutput:
         """Sample one response per row. prompt_ids/prompt_mask: [B, P] left-padded;
-        sample_seed: [B]."""
+        sample_seed: [B]; `images`: the rows' images in row order (an image-text model)."""
         device = prompt_ids.device
         batch, _ = prompt_ids.shape
         attention = prompt_mask.long()
-        positions = position_ids_from_mask(attention)
         from transformers import DynamicCache  # lazily: config checks import this module
 
         cache = {cache_argument(self.model): DynamicCache()}
-        out = self.model(input_ids=prompt_ids, attention_mask=attention, position_ids=positions,
-                         use_cache=True, **cache)
+        # Tokens a response may not hold: an image-text model's image pad marks where image
+        # features go, so a sampled one would break the training forward.
+        never = []
+        if reads_images(self.model.config):
+            never = [image_token_id(self.model)]
+            # M-RoPE: the prompt's positions from its image grids; each new token's position
+            # is one past the prompt's largest, on all three rows.
+            positions, offset = rope_positions(self.model, prompt_ids, attention, images)
+            kwargs = {"attention_mask": attention, "position_ids": positions,
+                      **image_kwargs(images)}
+            next_pos = attention.sum(-1, keepdim=True) + offset                 # [B, 1]
+        else:
+            kwargs = {"attention_mask": attention,
+                      "position_ids": position_ids_from_mask(attention)}
+            next_pos = kwargs["position_ids"][:, -1:] + 1                    # [B, 1]
+        out = self.model(input_ids=prompt_ids, use_cache=True, **kwargs, **cache)
         logits = out.logits[:, -1, :].float()            # [B, V]
-        next_pos = positions[:, -1:] + 1                  # [B, 1]
 
         responses = torch.full((batch, max_new_tokens), self.pad_token_id, dtype=torch.long,
                                device=device)
@@ -63,11 +87,13 @@ class HFRollout(ModelCopy):
 
         for t in range(max_new_tokens):
             allowed = logits
-            if t < min_new_tokens:
+            if t < min_new_tokens or never:
                 allowed = logits.clone()
+                allowed[:, never] = float("-inf")
+            if t < min_new_tokens:
                 allowed[:, stop] = float("-inf")
             token = sample_next_token(allowed, params, sample_seed, t)
-            # The log-prob of the model's own distribution (not the EOS-masked one): it is the
+            # The log-prob of the model's own distribution (not the masked one): it is the
             # quantity the actor recomputes, so the two agree.
             logp = logprobs_from_logits(logits / temperature, token)
             token = torch.where(alive, token, torch.full_like(token, self.pad_token_id))

@@ -12,7 +12,6 @@ runtime/failures.py and names the file, column, row, key or node.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -22,6 +21,7 @@ from dagrl.config.model_source import (
     BUILTIN_PREFIX,
     PACKAGE_PREFIX,
     check_model_sources,
+    model_reads_images,
     package_dir,
 )
 from dagrl.config.schema import Config
@@ -30,7 +30,7 @@ from dagrl.data.dataset import ParquetPrompts, PromptLoader
 from dagrl.data.errors import DatasetError
 from dagrl.data.makers import MAKERS
 from dagrl.engines.memory_estimate import model_config
-from dagrl.engines.models import build_char_tokenizer, load_tokenizer
+from dagrl.engines.models import load_tokenizer, tiny_tokenizer
 from dagrl.observe.backends import check_backends_installed
 from dagrl.registry import UnknownNameError
 from dagrl.rewards.custom import load_function
@@ -146,18 +146,6 @@ def probe_reward(cfg: Config, fn) -> None:
             del os.environ[key]
 
 
-def model_reads_images(path: str) -> bool:
-    """Whether the model at `path` (a HF directory) has a vision tower: its config.json names a
-    vision_config. Built-in and GGUF models read text only."""
-    config = Path(path) / "config.json"
-    if path.startswith(BUILTIN_PREFIX) or not config.is_file():
-        return False
-    try:
-        return "vision_config" in json.loads(config.read_text())
-    except (OSError, ValueError):
-        return False
-
-
 def check_datasets(cfg: Config, key: str) -> None:
     """Open `data.<key>`'s files, check their schemas and the values of their first rows; with
     the built-in scorers, also that each data_source of those rows has one."""
@@ -217,7 +205,7 @@ def model_tokenizer(cfg: Config):
     (what prepare_run writes beside the tiny model), an installed package's, a directory's."""
     m = cfg.model
     if m.path.startswith(BUILTIN_PREFIX):
-        return build_char_tokenizer()
+        return tiny_tokenizer(m.path[len(BUILTIN_PREFIX):])
     path = str(package_dir(m.path)) if m.path.startswith(PACKAGE_PREFIX) else m.path
     return load_tokenizer(path, m.gguf_file)
 

@@ -41,12 +41,13 @@ from dagrl.data.batch import Batch
 from dagrl.data.buffer import balance, reshard
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
 from dagrl.data.replicas import from_replicas, to_replicas
-from dagrl.device import free_memory_bytes, is_host
+from dagrl.device import is_host
 from dagrl.engines.bundle import build_engines
 from dagrl.engines.checkpointing_choice import (
     checkpointing_needed,
     describe_choice,
     peak_without_checkpointing,
+    room_for_rank,
     with_checkpointing,
 )
 from dagrl.engines.host_memory import release_freed_memory
@@ -286,7 +287,7 @@ class Worker(CheckpointedWorker):
                                           has_ref="ref" in needed,
                                           has_critic="critic" in needed)
         ranks_here = self.dist.local_world_size if is_host(self.device) else 1
-        free = free_memory_bytes(self.device, ranks_here)
+        free = room_for_rank(self.device, ranks_here)
         peak = int(self.side.max(peak))
         least_free = -self.side.max(-(free if free is not None else 0))
         free = int(least_free) if least_free > 0 else None

@@ -1,0 +1,147 @@
+"""Image-text models of the Qwen2-VL / Qwen2.5-VL family: their image inputs, prompt tokens and
+M-RoPE positions, shared by the rollout and the teacher-forced passes so that both see the same
+pixels, the same tokens at the same positions.
+
+A prompt's `<image>` placeholder (verl's multimodal layout, data/images.py) is rendered as the
+family's image block `<|vision_start|><|image_pad|><|vision_end|>` (what its chat template
+writes for an image part), and the single `<|image_pad|>` then becomes one token per merged
+patch of that image: grid t x h x w patches of 14 px, merged 2 x 2, so t*h*w / 4 tokens. The
+model scatters the vision tower's output into those positions in order, so a batch's
+`pixel_values` are the samples' patch rows concatenated in row order.
+
+The image processor is the model directory's (preprocessor_config.json) in transformers' PIL
+backend, which needs no torchvision (transformers' Qwen2-VL processor class also builds a video
+processor, which does). Positions: text and image tokens get M-RoPE's three rows (time,
+height, width) from the model's own `get_rope_index` over each whole sequence; a response
+continues after its prompt's largest position, so the rollout's decode steps and the training
+forward agree token for token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dagrl.data.batch import position_ids_from_mask
+
+VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
+IMAGE_BLOCK = VISION_START + IMAGE_PAD + VISION_END
+# The batch field (non-tensor, one entry per sample) that carries each sample's images.
+IMAGE_FIELD = "image_inputs"
+
+
+def reads_images(config) -> bool:
+    """Whether a HF model config has a vision tower."""
+    return getattr(config, "vision_config", None) is not None
+
+
+@dataclass
+class ImageInputs:
+    """The encoded images of one sample, or of a batch's samples concatenated in row order."""
+    pixel_values: torch.Tensor      # [patches, channels x temporal x 14 x 14] float32
+    image_grid_thw: torch.Tensor    # [images, 3] int64: patches in time, height, width
+
+    @staticmethod
+    def concat(parts: Sequence[ImageInputs | None]) -> ImageInputs | None:
+        """The samples' images in row order (None: no sample has any)."""
+        parts = [p for p in parts if p is not None and len(p.image_grid_thw)]
+        if not parts:
+            return None
+        return ImageInputs(torch.cat([p.pixel_values for p in parts]),
+                           torch.cat([p.image_grid_thw for p in parts]))
+
+    def to(self, device: torch.device) -> ImageInputs:
+        return ImageInputs(self.pixel_values.to(device), self.image_grid_thw.to(device))
+
+
+def batch_images(batch) -> ImageInputs | None:
+    """A Batch's (or micro-batch's) images in row order, None for a text-only batch."""
+    if IMAGE_FIELD not in batch:
+        return None
+    return ImageInputs.concat(list(batch[IMAGE_FIELD]))
+
+
+class ImageEncoder:
+    """A model's image processor and its image tokens: turns a prompt's images into
+    `ImageInputs` and its single image pads into one pad per merged patch."""
+
+    def __init__(self, model_dir: str | Path, tokenizer) -> None:
+        from transformers import AutoImageProcessor
+
+        self.processor = AutoImageProcessor.from_pretrained(str(model_dir),
+                                                            local_files_only=True)
+        self.merge = int(getattr(self.processor, "merge_size", 2))
+        self.pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+        if self.pad_id is None or self.pad_id == tokenizer.unk_token_id:
+            raise ValueError(f"{model_dir}: the tokenizer has no {IMAGE_PAD} token; an image-text "
+                             "model of the Qwen2-VL family has one")
+
+    def encode(self, images: Sequence) -> ImageInputs:
+        """PIL images (RGB) -> their patch rows and grids."""
+        out = self.processor(images=list(images), return_tensors="pt")
+        return ImageInputs(out["pixel_values"].float(), out["image_grid_thw"].long())
+
+    def tokens_per_image(self, inputs: ImageInputs) -> list[int]:
+        return [int(g.prod()) // self.merge ** 2 for g in inputs.image_grid_thw]
+
+    def expand(self, ids: Sequence[int], inputs: ImageInputs) -> list[int]:
+        """`ids` with its k-th image pad repeated as many times as image k has tokens."""
+        counts = iter(self.tokens_per_image(inputs))
+        out: list[int] = []
+        for token in ids:
+            if token == self.pad_id:
+                n = next(counts, None)
+                if n is None:
+                    raise ValueError("more image pads in the prompt than images")
+                out.extend([token] * n)
+            else:
+                out.append(token)
+        if next(counts, None) is not None:
+            raise ValueError("more images than image pads in the prompt")
+        return out
+
+
+def _rope_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The submodule that computes M-RoPE positions (Qwen2(.5)-VL's inner model; found through
+    LoRA and FSDP2 wrappers)."""
+    for module in model.modules():
+        if hasattr(module, "get_rope_index") and hasattr(module, "visual"):
+            return module
+    raise ValueError(f"{type(model).__name__} has no get_rope_index: not an image-text model of "
+                     "the Qwen2-VL family")
+
+
+def image_token_id(model: torch.nn.Module) -> int:
+    return int(model.config.image_token_id)
+
+
+def rope_positions(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   images: ImageInputs | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """M-RoPE positions of left- or right-padded rows: ([3, B, L] int64, [B, 1] the offset
+    that turns a text position after the last token into its M-RoPE position: a new token
+    at column c of an unpadded row has position c + offset on all three rows)."""
+    if images is None:   # text only: the three rows are the plain positions
+        plain = position_ids_from_mask(attention_mask)
+        return plain[None].expand(3, -1, -1), torch.zeros_like(plain[:, :1])
+    mm_types = (input_ids == image_token_id(model)).int()
+    return _rope_module(model).get_rope_index(input_ids, mm_types,
+                                              image_grid_thw=images.image_grid_thw,
+                                              attention_mask=attention_mask)
+
+
+def image_kwargs(images: ImageInputs | None) -> dict:
+    """The model forward's image arguments (none for a text-only batch)."""
+    if images is None:
+        return {}
+    return {"pixel_values": images.pixel_values, "image_grid_thw": images.image_grid_thw}
+
+
+def model_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                 images: ImageInputs | None) -> dict:
+    """The forward's keyword arguments for whole sequences (no cache): the mask, M-RoPE
+    positions and the images."""
+    positions, _ = rope_positions(model, input_ids, attention_mask, images)
+    return {"attention_mask": attention_mask, "position_ids": positions, **image_kwargs(images)}

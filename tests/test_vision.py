@@ -1,0 +1,100 @@
+"""Image-text models (data/vision.py, engines/tiny_vlm.py): the built-in tiny Qwen2.5-VL, its
+image tokens, and the HF rollout's log-probs on images equal to the training forward's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+from dagrl.data.vision import IMAGE_BLOCK, ImageEncoder, ImageInputs
+from dagrl.engines.forward import response_logprobs
+from dagrl.engines.models import load_model, load_tokenizer, write_tiny_model
+from dagrl.rollout.hf import HFRollout
+from dagrl.rollout.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory):
+    path = write_tiny_model(tmp_path_factory.mktemp("vlm") / "m", "tiny-qwen2.5-vl")
+    tokenizer = load_tokenizer(str(path))
+    return load_model(str(path)), tokenizer, ImageEncoder(path, tokenizer)
+
+
+def _picture(size: tuple[int, int], colour: str, box: tuple[int, int, int, int]) -> Image.Image:
+    image = Image.new("RGB", size, "white")
+    image.paste(Image.new("RGB", (box[2] - box[0], box[3] - box[1]), colour), box[:2])
+    return image
+
+
+def _prompts(tokenizer, encoder, rows):
+    """rows: (text with IMAGE_BLOCKs, images) -> left-padded ids, mask, the images in order."""
+    ids, images = [], []
+    for text, pictures in rows:
+        raw = tokenizer(text, add_special_tokens=False)["input_ids"]
+        inputs = encoder.encode(pictures) if pictures else None
+        ids.append(encoder.expand(raw, inputs) if inputs else raw)
+        images.append(inputs)
+    width = max(map(len, ids))
+    prompt = torch.zeros(len(ids), width, dtype=torch.long)
+    mask = torch.zeros(len(ids), width, dtype=torch.long)
+    for i, row in enumerate(ids):
+        prompt[i, width - len(row):] = torch.tensor(row)
+        mask[i, width - len(row):] = 1
+    return prompt, mask, ImageInputs.concat(images)
+
+
+def test_each_image_pad_becomes_one_token_per_merged_patch(vlm):
+    model, tokenizer, encoder = vlm
+    assert type(model).__name__ == "Qwen2_5_VLForConditionalGeneration"
+    inputs = encoder.encode([Image.new("RGB", (112, 112)), Image.new("RGB", (56, 84))])
+    # 112 px = 8 patches of 14 a side, merged 2 x 2: 16 tokens; 56 x 84 -> 4 x 6 -> 6 tokens
+    assert inputs.image_grid_thw.tolist() == [[1, 8, 8], [1, 6, 4]]
+    assert inputs.pixel_values.shape == (64 + 24, 3 * 2 * 14 * 14)
+    raw = tokenizer(f"A{IMAGE_BLOCK}B{IMAGE_BLOCK}", add_special_tokens=False)["input_ids"]
+    expanded = encoder.expand(raw, inputs)
+    assert expanded.count(encoder.pad_id) == 16 + 6 and len(expanded) == len(raw) + 20
+    with pytest.raises(ValueError, match="more images than image pads"):
+        encoder.expand(raw[:3], inputs)
+
+
+def test_rollout_logprobs_on_images_equal_the_training_forward(vlm):
+    """Sampled responses of a left-padded batch (rows with 1, 2 and no image, of different
+    sizes): the training forward's log-probs of the sampled tokens equal the rollout's, and
+    they depend on the pixels (the model reads the image)."""
+    model, tokenizer, encoder = vlm
+    red = _picture((112, 112), "red", (10, 10, 50, 50))
+    blue = _picture((84, 56), "blue", (30, 5, 80, 40))
+    rows = [(f"{IMAGE_BLOCK}HOW MANY?", [red]),
+            (f"TWO:{IMAGE_BLOCK}{IMAGE_BLOCK}?", [blue, red]),
+            ("no image here?", [])]
+    prompt, mask, images = _prompts(tokenizer, encoder, rows)
+    engine = HFRollout(model, eos_token_id=tokenizer.eos_token_id,
+                       pad_token_id=tokenizer.pad_token_id)
+    out = engine.generate(prompt, mask, torch.tensor([1, 2, 3]), SamplingParams(1.0, 0, 1.0),
+                          max_new_tokens=12, images=images)
+    assert out.response_mask.sum() > 10
+    teacher = response_logprobs(model, prompt, mask, out.responses, out.response_mask,
+                                images=images).logprobs
+    used = out.response_mask.bool()
+    torch.testing.assert_close(teacher[used], out.logprobs[used], atol=1e-5, rtol=0)
+    other = ImageInputs(torch.flip(images.pixel_values, [0]), images.image_grid_thw)
+    moved = response_logprobs(model, prompt, mask, out.responses, out.response_mask,
+                              images=other).logprobs
+    assert (moved[:2][used[:2]] - teacher[:2][used[:2]]).abs().max() > 1e-4
+    # the text-only row does not read the other rows' images
+    torch.testing.assert_close(moved[2], teacher[2], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("backend, refused", [("native", True), ("vllm", True), ("hf", False),
+                                              ("auto", False)])
+def test_a_backend_that_takes_no_images_is_refused_for_an_image_text_model(backend, refused):
+    from dagrl.config.loader import ConfigError
+    from dagrl.train import load_cli_config
+
+    args = ["model.path=builtin:tiny-qwen2.5-vl", f"rollout.backend={backend}"]
+    if not refused:
+        assert load_cli_config(args).rollout.backend == backend
+        return
+    with pytest.raises(ConfigError, match=f"rollout.backend={backend} takes no images"):
+        load_cli_config(args)
