@@ -18,7 +18,7 @@ from dagrl.rollout.sampling import SamplingParams
 def vlm(tmp_path_factory):
     path = write_tiny_model(tmp_path_factory.mktemp("vlm") / "m", "tiny-qwen2.5-vl")
     tokenizer = load_tokenizer(str(path))
-    return load_model(str(path)), tokenizer, ImageEncoder(path, tokenizer)
+    return load_model(str(path)), tokenizer, ImageEncoder.of_model(path, tokenizer)
 
 
 def _picture(size: tuple[int, int], colour: str, box: tuple[int, int, int, int]) -> Image.Image:
@@ -98,3 +98,62 @@ def test_a_backend_that_takes_no_images_is_refused_for_an_image_text_model(backe
         return
     with pytest.raises(ConfigError, match=f"rollout.backend={backend} takes no images"):
         load_cli_config(args)
+
+
+def test_the_loader_puts_each_rows_images_beside_its_image_tokens(vlm, tmp_path):
+    """verl's layout (an `images` column, `<image>` in the prompt) read for an image-text
+    model: each row's prompt holds one pad per merged patch where its placeholder was, and the
+    batch carries the row's encoded images; a row whose image does not decode is refused
+    naming the file, the row and the column."""
+    import pyarrow.parquet as pq
+
+    from dagrl.data.dataset import ParquetPrompts, PromptLoader
+    from dagrl.data.errors import DatasetError
+    from dagrl.data.shapes import make_shapes
+    from dagrl.data.vision import IMAGE_FIELD, batch_images
+
+    _, tokenizer, encoder = vlm
+    train = make_shapes(tmp_path, n_train=8, n_test=4, size=112)["train"]
+    loader = PromptLoader(ParquetPrompts([str(train)], "prompt"), tokenizer, batch_size=4,
+                          max_prompt_length=128, images=encoder, shuffle=False)
+    batch = loader.next_batch()
+    pads = (batch["prompt_ids"] == encoder.pad_id).sum(-1)
+    assert pads.tolist() == [16] * 4                      # 112 px: 8 x 8 patches, merged 2 x 2
+    images = batch_images(batch)
+    assert images.image_grid_thw.tolist() == [[1, 8, 8]] * 4
+    assert len(batch[IMAGE_FIELD]) == 4 and images.pixel_values.shape[0] == 4 * 64
+    table = pq.read_table(train).to_pylist()
+    table[5]["images"] = [{"bytes": b"not a png", "path": None}]
+    import pyarrow as pa
+
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(pa.Table.from_pylist(table, schema=pq.read_schema(train)), bad)
+    loader = PromptLoader(ParquetPrompts([str(bad)], "prompt"), tokenizer, batch_size=8,
+                          max_prompt_length=128, images=encoder, shuffle=False)
+    with pytest.raises(DatasetError, match=r"bad.parquet: row 5 .*column images\[0\]: not a "
+                                           r"readable image"):
+        loader.next_batch()
+
+
+VLM_RUN = ["model.path=builtin:tiny-qwen2.5-vl", "data.train_files=[builtin:shapes]",
+           "data.val_files=[]", "data.max_prompt_length=128", "rollout.max_new_tokens=4",
+           "data.train_batch_size=16", "rollout.n=4", "actor.mini_batch_size=16",
+           "trainer.total_steps=3", "trainer.torch_threads=1", "trainer.save_final=false",
+           "logging.progress_bar=false", "logging.console_every=1000"]
+
+
+def test_two_workers_train_an_image_text_model_as_one_does(tmp_path):
+    """Done-when 2 of issue 36: FSDP2 over the vision tower and the language model on 2
+    torchrun workers, each generating its shard's samples from their images, reproduces the
+    1-worker run for 3 steps."""
+    from dagrl.config.presets import load_run_config
+    from dagrl.runtime.launch import launch
+    from tests.dist_helpers import assert_same_steps, step_metrics, torchrun_train
+
+    launch(load_run_config(None, [f"trainer.run_dir={tmp_path / 'one'}", *VLM_RUN]))
+    torchrun_train(tmp_path / "two", 2, *VLM_RUN)
+    one, two = step_metrics(tmp_path / "one"), step_metrics(tmp_path / "two")
+    # some samples answer right (a digit among 4 random tokens), so the policy moves
+    assert len(one) == 3 and all(m["actor/grad_norm"] > 0 for m in one)
+    assert_same_steps(two, one, ["reward/mean", "response/length/mean", "actor/pg_loss",
+                                 "actor/kl", "actor/entropy", "actor/grad_norm"], rel=1e-5)

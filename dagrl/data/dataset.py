@@ -26,8 +26,9 @@ import torch
 from dagrl.data.batch import Batch
 from dagrl.data.checks import check_nulls, check_rows, check_schema_types, prompt_problem
 from dagrl.data.errors import DatasetError
-from dagrl.data.images import IMAGE_COLUMN
+from dagrl.data.images import IMAGE_COLUMN, image_problem
 from dagrl.data.listed_files import missing_file_error
+from dagrl.data.vision import IMAGE_FIELD, ImageEncoder, ImageInputs
 
 REQUIRED_COLUMNS = ("data_source", "reward_model")
 LAYOUT_HINT = ("verl layout: the prompt column (data.prompt_key), data_source, "
@@ -214,7 +215,11 @@ class PromptLoader:
 
     def __init__(self, source: ParquetPrompts, tokenizer, *, batch_size: int, rank: int = 0,
                  world_size: int = 1, seed: int = 0, shuffle: bool = True, tail: str = "drop",
-                 max_prompt_length: int, truncation: str = "error") -> None:
+                 max_prompt_length: int, truncation: str = "error",
+                 images: ImageEncoder | None = None) -> None:
+        """`images`: an image-text model's encoder (data/vision.py): rows with images then get
+        the model's image tokens in their prompts and their encoded images in the batch field
+        `image_inputs`."""
         if batch_size % world_size:
             raise ValueError(f"data.train_batch_size ({batch_size}) must be divisible by the "
                              f"number of workers ({world_size})")
@@ -227,6 +232,7 @@ class PromptLoader:
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
         self.seed, self.shuffle, self.tail = seed, shuffle, tail
         self.max_prompt_length, self.truncation = max_prompt_length, truncation
+        self.images = images
         self.epoch, self.batch_in_epoch = 0, 0
 
     # --- order -------------------------------------------------------------------------
@@ -310,6 +316,7 @@ class PromptLoader:
                 for e, r in zip(np.broadcast_to(epoch, len(rows)), row_ids, strict=True)]
         ids = torch.full((len(rows), width), pad, dtype=torch.long)
         mask = torch.zeros(len(rows), width, dtype=torch.long)
+        image_inputs = []
         for i, row in enumerate(rows):
             prompt = row[self.source.prompt_key]
             # Every row, not only the pre-flight's sample: bytes must never reach the tokenizer
@@ -319,7 +326,16 @@ class PromptLoader:
                 raise DatasetError(f"{row['_file']}: row {int(row_ids[i])} (uid {uids[i]}) "
                                    f"{problem}")
             where = f"{row['_file']}: row {int(row_ids[i])} (uid {uids[i]})"
-            tokens = self._truncate(self._encode(prompt, where), row, int(row_ids[i]), uids[i])
+            prompt, inputs = self._with_images(row, prompt, where)
+            tokens = self._encode(prompt, where)
+            if inputs is not None:
+                tokens = self.images.expand(tokens, inputs)
+                if len(tokens) > width:   # cutting would split an image's tokens
+                    raise DatasetError(f"{where} has a prompt of {len(tokens)} tokens with its "
+                                       f"images, more than data.max_prompt_length={width}; "
+                                       "raise it (images are never truncated)")
+            image_inputs.append(inputs)
+            tokens = self._truncate(tokens, row, int(row_ids[i]), uids[i])
             if tokens:   # left padding: the last prompt token sits in the last column
                 ids[i, width - len(tokens):] = torch.tensor(tokens)
                 mask[i, width - len(tokens):] = 1
@@ -335,8 +351,21 @@ class PromptLoader:
                 "ground_truth": [rm.get("ground_truth") for rm in reward_model],
                 "extra_info": [r.get("extra_info") for r in rows],
                 "prompt": [r[self.source.prompt_key] for r in rows],
+                **({IMAGE_FIELD: image_inputs} if self.images is not None else {}),
             },
             batch_size=len(rows))
+
+    def _with_images(self, row: dict, prompt: Any, where: str) -> tuple[Any, ImageInputs | None]:
+        """The prompt with its images as the model's image tokens, and the images encoded;
+        (prompt, None) for a text-only model or a row without images. A row whose images do
+        not decode, or do not match its placeholders, is refused naming it."""
+        pictures = row.get(IMAGE_COLUMN)
+        if self.images is None or not pictures:
+            return prompt, None
+        problem = image_problem(pictures, prompt, self.source.max_image_pixels)
+        if problem:
+            raise DatasetError(f"{where} {problem}")
+        return self.images.prompt_images(prompt, pictures)
 
     def _encode(self, prompt: Any, where: str) -> list[int]:
         """The prompt's tokens; a role the chat template does not know, or a template that

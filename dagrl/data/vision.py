@@ -68,16 +68,37 @@ class ImageEncoder:
     """A model's image processor and its image tokens: turns a prompt's images into
     `ImageInputs` and its single image pads into one pad per merged patch."""
 
-    def __init__(self, model_dir: str | Path, tokenizer) -> None:
-        from transformers import AutoImageProcessor
-
-        self.processor = AutoImageProcessor.from_pretrained(str(model_dir),
-                                                            local_files_only=True)
-        self.merge = int(getattr(self.processor, "merge_size", 2))
+    def __init__(self, processor, tokenizer) -> None:
+        self.processor = processor
+        self.merge = int(getattr(processor, "merge_size", 2))
         self.pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
         if self.pad_id is None or self.pad_id == tokenizer.unk_token_id:
-            raise ValueError(f"{model_dir}: the tokenizer has no {IMAGE_PAD} token; an image-text "
-                             "model of the Qwen2-VL family has one")
+            raise ValueError(f"the tokenizer has no {IMAGE_PAD} token; an image-text model of "
+                             "the Qwen2-VL family has one")
+
+    @classmethod
+    def of_model(cls, model_dir: str | Path, tokenizer) -> ImageEncoder | None:
+        """The encoder of the model at `model_dir` (its preprocessor_config.json), or None for
+        a model that reads text only."""
+        from transformers import AutoImageProcessor
+
+        from dagrl.config.model_source import model_reads_images
+
+        if not model_reads_images(str(model_dir)):
+            return None
+        return cls(AutoImageProcessor.from_pretrained(str(model_dir), local_files_only=True),
+                   tokenizer)
+
+    def prompt_images(self, prompt, images: Sequence) -> tuple[object, ImageInputs]:
+        """A row's prompt with each `<image>` placeholder as the model's image block, and its
+        images (verl's `images` entries, data/images.py) encoded."""
+        from dagrl.data.images import IMAGE_PLACEHOLDER, decode_image
+
+        inputs = self.encode([decode_image(value) for value in images])
+        if isinstance(prompt, str):
+            return prompt.replace(IMAGE_PLACEHOLDER, IMAGE_BLOCK), inputs
+        return [{**m, "content": m["content"].replace(IMAGE_PLACEHOLDER, IMAGE_BLOCK)}
+                if isinstance(m.get("content"), str) else m for m in prompt], inputs
 
     def encode(self, images: Sequence) -> ImageInputs:
         """PIL images (RGB) -> their patch rows and grids."""

@@ -191,6 +191,7 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
         raise ValueError("images go through the padded layout only: M-RoPE positions are not "
                          "computed for packed rows or sequence shards")
     batch, resp_len = responses.shape
+    images = images.to(responses.device) if images is not None else None
     attention_mask = response_mask if attention_mask is None else attention_mask
     used = response_mask.bool()                                               # [B, R]
     targets = responses[used]                                                 # [N]

@@ -17,6 +17,7 @@ import zlib
 import torch
 
 from dagrl.data.batch import RESPONSE_ATTENTION_MASK, Batch
+from dagrl.data.vision import batch_images
 from dagrl.roles.multi_model import agreed_width, left_pad
 from dagrl.roles.registry import NodeContext, register_role
 from dagrl.roles.score import decode_responses
@@ -45,7 +46,7 @@ def rollout(ctx: NodeContext, batch: Batch) -> Batch:
     engine = ctx.engines.rollout
     out = engine.generate(batch["prompt_ids"], batch["prompt_mask"], batch["sample_seed"],
                           params, max_new_tokens=cfg.max_new_tokens,
-                          min_new_tokens=cfg.min_new_tokens)
+                          min_new_tokens=cfg.min_new_tokens, **image_argument(batch))
     batch["responses"] = out.responses
     batch["response_mask"] = out.response_mask
     batch["rollout_logprobs"] = out.logprobs
@@ -59,6 +60,14 @@ def rollout(ctx: NodeContext, batch: Batch) -> Batch:
     ctx.metrics.add_mean("prompt/length_mean", float(batch["prompt_mask"].sum()), len(batch))
     ctx.metrics.add_sum("tokens/total", float(lengths.sum() + batch["prompt_mask"].sum()))
     return batch
+
+
+def image_argument(batch: Batch) -> dict:
+    """`generate`'s images for a batch of an image-text model's prompts (none for text: the
+    backends that take no images never see the argument; rollout/base.py refuses them for an
+    image-text model)."""
+    images = batch_images(batch)
+    return {} if images is None else {"images": images}
 
 
 def samples(ctx: NodeContext, batch: Batch, step: int) -> Batch:
@@ -160,7 +169,8 @@ def greedy_baseline(ctx: NodeContext, batch: Batch) -> Batch:
     else:
         out = ctx.engines.rollout.generate(
             batch["prompt_ids"], batch["prompt_mask"], seeds, greedy,
-            max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens)
+            max_new_tokens=cfg.max_new_tokens, min_new_tokens=cfg.min_new_tokens,
+            **image_argument(batch))
         texts = decode_responses(ctx.engines.tokenizer, out.responses, out.response_mask)
         scores = ctx.engines.reward_manager.score(texts, batch["data_source"],
                                                   batch["ground_truth"], batch["extra_info"],

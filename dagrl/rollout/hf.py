@@ -64,6 +64,7 @@ class HFRollout(ModelCopy):
         never = []
         if reads_images(self.model.config):
             never = [image_token_id(self.model)]
+            images = images.to(device) if images is not None else None
             # M-RoPE: the prompt's positions from its image grids; each new token's position
             # is one past the prompt's largest, on all three rows.
             positions, offset = rope_positions(self.model, prompt_ids, attention, images)

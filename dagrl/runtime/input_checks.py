@@ -20,6 +20,7 @@ from dagrl.config.loader import ConfigError
 from dagrl.config.model_source import (
     BUILTIN_PREFIX,
     PACKAGE_PREFIX,
+    TINY_VLM,
     check_model_sources,
     model_reads_images,
     package_dir,
@@ -29,8 +30,10 @@ from dagrl.dag.spec import GraphError
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
 from dagrl.data.errors import DatasetError
 from dagrl.data.makers import MAKERS
+from dagrl.data.vision import ImageEncoder
 from dagrl.engines.memory_estimate import model_config
 from dagrl.engines.models import load_tokenizer, tiny_tokenizer
+from dagrl.engines.tiny_vlm import tiny_image_processor
 from dagrl.observe.backends import check_backends_installed
 from dagrl.registry import UnknownNameError
 from dagrl.rewards.custom import load_function
@@ -192,12 +195,26 @@ def check_prompt_lengths(cfg: Config, keys: list[str]) -> None:
     if not any(files.values()):
         return
     tokenizer = model_tokenizer(cfg)
+    images = model_image_encoder(cfg, tokenizer)
     for key, paths in files.items():
         if paths:
-            source = ParquetPrompts(paths, d.prompt_key, config_key=f"data.{key}")
+            source = ParquetPrompts(paths, d.prompt_key, config_key=f"data.{key}",
+                                    max_image_pixels=d.max_image_pixels)
             PromptLoader(source, tokenizer, batch_size=1, tail="pad",
-                         max_prompt_length=d.max_prompt_length,
-                         truncation=d.truncation).check_prompt_lengths(PREFLIGHT_ROWS)
+                         max_prompt_length=d.max_prompt_length, truncation=d.truncation,
+                         images=images).check_prompt_lengths(PREFLIGHT_ROWS)
+
+
+def model_image_encoder(cfg: Config, tokenizer) -> ImageEncoder | None:
+    """The configured model's image encoder (data/vision.py) when it reads images, from its
+    directory or, for the built-in image-text model, built in memory."""
+    m = cfg.model
+    if m.path == BUILTIN_PREFIX + TINY_VLM:
+        return ImageEncoder(tiny_image_processor(), tokenizer)
+    if m.path.startswith(BUILTIN_PREFIX):
+        return None
+    path = str(package_dir(m.path)) if m.path.startswith(PACKAGE_PREFIX) else m.path
+    return ImageEncoder.of_model(path, tokenizer)
 
 
 def model_tokenizer(cfg: Config):

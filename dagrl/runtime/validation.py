@@ -25,9 +25,10 @@ from tqdm import tqdm
 
 from dagrl.config.schema import Config
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
+from dagrl.data.vision import ImageEncoder
 from dagrl.engines.bundle import Engines
 from dagrl.observe.metrics import StepMetrics
-from dagrl.roles.generate import agent_rows
+from dagrl.roles.generate import agent_rows, image_argument
 from dagrl.roles.score import decode_responses
 from dagrl.rollout.sampling import SamplingParams, mix_seed
 
@@ -52,7 +53,9 @@ class Validator:
         self.loader = PromptLoader(source, engines.tokenizer, batch_size=shards, rank=shard,
                                    world_size=shards, shuffle=False, tail="pad",
                                    max_prompt_length=d.max_prompt_length,
-                                   truncation=d.truncation)
+                                   truncation=d.truncation,
+                                   images=ImageEncoder.of_model(cfg.model.path,
+                                                                engines.tokenizer))
         self.rows = np.arange(len(source))[shard::shards]
         self.counts = rank % ranks_per_engine == 0
         self.cfg, self.engines, self.device = cfg, engines, device
@@ -101,7 +104,8 @@ class Validator:
         else:
             out = self.engines.rollout.generate(
                 batch["prompt_ids"], batch["prompt_mask"], seeds.to(self.device), params,
-                max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens)
+                max_new_tokens=r.max_new_tokens, min_new_tokens=r.min_new_tokens,
+                **image_argument(batch))
             texts = decode_responses(self.engines.tokenizer, out.responses, out.response_mask)
         if env_scores is None:
             result = self.engines.reward_manager.score(

@@ -41,6 +41,7 @@ from dagrl.data.batch import Batch
 from dagrl.data.buffer import balance, reshard
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
 from dagrl.data.replicas import from_replicas, to_replicas
+from dagrl.data.vision import ImageEncoder
 from dagrl.device import is_host
 from dagrl.engines.bundle import build_engines
 from dagrl.engines.checkpointing_choice import (
@@ -179,18 +180,21 @@ class Worker(CheckpointedWorker):
         divisibility, prompt lengths) before minutes of model loading."""
         d = self.cfg.data
         tokenizer = load_tokenizer(self.cfg.model.path, self.cfg.model.gguf_file)
+        images = ImageEncoder.of_model(self.cfg.model.path, tokenizer)
         loaders, loader, val_source = {}, None, None
         if self.placement.reads_prompts:
             loader = loaders["train"] = PromptLoader(
-                ParquetPrompts(d.train_files, d.prompt_key), tokenizer,
+                ParquetPrompts(d.train_files, d.prompt_key,
+                               max_image_pixels=d.max_image_pixels), tokenizer,
                 batch_size=d.train_batch_size, rank=self.side.index, world_size=self.side.size,
                 seed=self.cfg.trainer.seed, shuffle=d.shuffle, tail=d.tail,
-                max_prompt_length=d.max_prompt_length, truncation=d.truncation)
+                max_prompt_length=d.max_prompt_length, truncation=d.truncation, images=images)
         if validates:
-            val_source = ParquetPrompts(d.val_files, d.prompt_key, config_key="data.val_files")
+            val_source = ParquetPrompts(d.val_files, d.prompt_key, config_key="data.val_files",
+                                        max_image_pixels=d.max_image_pixels)
             loaders["val"] = PromptLoader(val_source, tokenizer, batch_size=1, tail="pad",
                                           max_prompt_length=d.max_prompt_length,
-                                          truncation=d.truncation)
+                                          truncation=d.truncation, images=images)
         check_prompts(loaders, self.log)
         return tokenizer, loader, val_source
 
