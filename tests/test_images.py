@@ -44,7 +44,8 @@ def test_count_pictures_hold_as_many_red_shapes_as_the_answer(tmp_path):
     rows = pq.read_table(make_shapes(tmp_path, n_train=40, n_test=8)["train"]).to_pylist()
     answers = []
     for row in rows:
-        assert row["prompt"][0]["content"].startswith("<image>How many red shapes")
+        assert row["prompt"][0]["content"].startswith("How many red shapes")
+        assert row["prompt"][0]["content"].endswith("only.<image>")
         assert image_problem(row["images"], row["prompt"], 1280 * 28 * 28) is None
         image = decode_image(row["images"][0])
         assert image.size == (112, 112)

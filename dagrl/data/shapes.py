@@ -74,14 +74,16 @@ def _draw(size: int, shapes: list[tuple], blank: bool) -> bytes:
     return out.getvalue()
 
 
-def _picture(rng: random.Random, size: int, task: str) -> tuple[list[tuple], int]:
-    """(shapes, answer) of one picture."""
+def _picture(rng: random.Random, size: int, task: str,
+             distractors: int = 3) -> tuple[list[tuple], int]:
+    """(shapes, answer) of one picture, with up to `distractors` shapes of other colours."""
     radius = max(4, size // 14)
     taken: list = []
     shapes, answer = [], 0
     if task == "count":
         answer = rng.randint(1, 4)
-        colours = [RED] * answer + [rng.choice(OTHER_COLOURS) for _ in range(rng.randint(0, 3))]
+        colours = [RED] * answer + [rng.choice(OTHER_COLOURS)
+                                    for _ in range(rng.randint(0, distractors))]
     else:
         answer = rng.randint(1, 4)
         half = size // 2
@@ -89,7 +91,8 @@ def _picture(rng: random.Random, size: int, task: str) -> tuple[list[tuple], int
                half * ((answer - 1) % 2 + 1), half * ((answer - 1) // 2 + 1))
         x, y = _place(rng, size, radius, taken, box)
         shapes.append(("square", RED, x, y, radius))
-        colours = [rng.choice(OTHER_COLOURS) for _ in range(rng.randint(1, 3))]
+        colours = [rng.choice(OTHER_COLOURS)
+                   for _ in range(rng.randint(min(1, distractors), distractors))]
     for colour in colours:
         spot = _place(rng, size, radius, taken)
         if spot is None:   # (never at the default sizes) fewer distractors, never fewer reds
@@ -102,11 +105,13 @@ def _picture(rng: random.Random, size: int, task: str) -> tuple[list[tuple], int
 
 def make_shapes(out_dir: str | Path, *, seed: int = 0, n_train: int = 2048, n_test: int = 256,
                 size: int = 112, task: str = "count", blank: bool = False,
-                row_group_size: int = 256) -> dict[str, Path]:
-    """Write train.parquet and test.parquet of the shapes task (see the module docstring)."""
+                distractors: int = 3, row_group_size: int = 256) -> dict[str, Path]:
+    """Write train.parquet and test.parquet of the shapes task (see the module docstring);
+    `distractors`: the most shapes of other colours in a picture (0: red shapes only)."""
     check_int("n_train", n_train, 1)
     check_int("n_test", n_test, 1)
     check_int("size", size, 56)
+    check_int("distractors", distractors, 0)
     if task not in QUESTIONS:
         raise ValueError(f"task must be one of {', '.join(QUESTIONS)}, got {task!r}")
     rng = random.Random(seed)
@@ -116,11 +121,14 @@ def make_shapes(out_dir: str | Path, *, seed: int = 0, n_train: int = 2048, n_te
     for split, n in (("train", n_train), ("test", n_test)):
         rows = []
         for index in range(n):
-            shapes, answer = _picture(rng, size, task)
+            shapes, answer = _picture(rng, size, task, distractors)
             rows.append({
                 "data_source": DATA_SOURCE,
                 "prompt": [{"role": "user",
-                            "content": f"{IMAGE_PLACEHOLDER}{QUESTIONS[task]}"}],
+                            # the picture last, next to the answer: a model trained
+                            # from scratch finds it there long before it learns to look
+                            # back across the question (measured on the tiny VLM)
+                            "content": f"{QUESTIONS[task]}{IMAGE_PLACEHOLDER}"}],
                 "images": [{"bytes": _draw(size, shapes, blank), "path": None}],
                 "ability": "vision",
                 "reward_model": {"style": "rule", "ground_truth": str(answer)},

@@ -39,6 +39,7 @@ from dagrl.config.model_source import (
     check_model_dir,
     package_dir,
 )
+from dagrl.data.vision import reads_images
 from dagrl.device import host_device
 from dagrl.engines.attention import resolve_attn_implementation
 from dagrl.engines.tiny_vlm import (
@@ -302,8 +303,7 @@ def load_model(path: str, gguf_file: str = "", dtype: str = "float32",
 def causal_lm_class(config) -> type:
     """The auto class of a config's generating model: an image-text model's (its vision tower
     and language model, e.g. Qwen2.5-VL) or a causal LM's."""
-    return AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None \
-        else AutoModelForCausalLM
+    return AutoModelForImageTextToText if reads_images(config) else AutoModelForCausalLM
 
 
 def _disable_dropout(model: torch.nn.Module) -> None:
