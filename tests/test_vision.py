@@ -157,3 +157,14 @@ def test_two_workers_train_an_image_text_model_as_one_does(tmp_path):
     assert len(one) == 3 and all(m["actor/grad_norm"] > 0 for m in one)
     assert_same_steps(two, one, ["reward/mean", "response/length/mean", "actor/pg_loss",
                                  "actor/kl", "actor/entropy", "actor/grad_norm"], rel=1e-5)
+
+
+def test_the_example_config_loads_with_its_image_text_model_and_task():
+    from pathlib import Path
+
+    from dagrl.train import load_cli_config
+
+    example = Path(__file__).parents[1] / "examples" / "vlm_counting.yaml"
+    cfg = load_cli_config([str(example)])
+    assert cfg.model.path == "builtin:tiny-qwen2.5-vl" and cfg.rollout.backend == "hf"
+    assert cfg.data.train_files == ["builtin:shapes"]
