@@ -168,3 +168,13 @@ def test_the_example_config_loads_with_its_image_text_model_and_task():
     cfg = load_cli_config([str(example)])
     assert cfg.model.path == "builtin:tiny-qwen2.5-vl" and cfg.rollout.backend == "hf"
     assert cfg.data.train_files == ["builtin:shapes"]
+
+
+def test_sequence_parallelism_is_refused_for_an_image_text_model(capsys):
+    """Before any model loads (`dagrl plan` runs the same check as `dagrl train`)."""
+    from dagrl.cli import main
+
+    assert main(["plan", "model.path=builtin:tiny-qwen2.5-vl", "trainer.n_workers=2",
+                 "actor.sequence_parallel_size=2"]) == 2
+    assert "sequence_parallel_size=2: an image-text model's M-RoPE positions" in \
+        capsys.readouterr().err

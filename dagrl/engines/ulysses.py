@@ -47,6 +47,11 @@ SEGMENTS_KWARG = "dagrl_segments"
 def check_sequence_parallel(config, sp: int, tp: int = 1,
                             key: str = "actor.sequence_parallel_size") -> None:
     """Raise ValueError naming `key` unless each tp rank's heads split over `sp` ranks."""
+    if getattr(config, "vision_config", None) is not None:
+        # a shard of a sequence would need its image tokens' 3-row M-RoPE positions, which
+        # `shard_sequence` does not cut (data/vision.py computes them over whole rows)
+        raise ValueError(f"{key}={sp}: an image-text model's M-RoPE positions are computed over "
+                         "whole sequences only; use sequence_parallel_size=1")
     heads, kv = head_counts(config)
     local_heads, local_kv = heads // tp, max(kv // tp, 1)
     if local_heads % sp:
