@@ -178,3 +178,14 @@ def test_sequence_parallelism_is_refused_for_an_image_text_model(capsys):
                  "actor.sequence_parallel_size=2"]) == 2
     assert "sequence_parallel_size=2: an image-text model's M-RoPE positions" in \
         capsys.readouterr().err
+
+
+def test_packed_rows_are_refused_for_an_image_text_model():
+    from dagrl.config.loader import ConfigError
+    from dagrl.engines.layout import EngineLayout
+    from dagrl.train import load_cli_config
+
+    cfg = load_cli_config(["model.path=builtin:tiny-qwen2.5-vl", "model.pack_sequences=true"])
+    with pytest.raises(ConfigError, match="model.pack_sequences=true: builtin:tiny-qwen2.5-vl "
+                                          "is an image-text model"):
+        EngineLayout.of(cfg, 1)

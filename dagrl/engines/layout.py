@@ -31,6 +31,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from dagrl.config.loader import ConfigError
+from dagrl.config.model_source import model_reads_images
 from dagrl.config.schema import Config
 from dagrl.dag.async_placement import default_trainer_ranks
 from dagrl.device import device_type as resolve_device_type
@@ -50,6 +51,15 @@ def rollout_owns_memory(cfg: Config) -> bool:
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
+
+
+def _pack_sequences(cfg: Config) -> bool:
+    # A packed row restarts positions per sequence; an image-text model's tokens need M-RoPE's
+    # three rows restarted too (4-row position ids), which data/vision.py does not build yet.
+    _check(not (cfg.model.pack_sequences and model_reads_images(cfg.model.path)),
+           f"model.pack_sequences=true: {cfg.model.path} is an image-text model, whose M-RoPE "
+           "positions are computed over padded rows only; set model.pack_sequences=false")
+    return cfg.model.pack_sequences
 
 
 @dataclass(frozen=True)
@@ -95,7 +105,7 @@ class EngineLayout:
             rollout_copy=_rollout_copy(cfg, side, len(ranks)),
             mini_batch_samples=_mini_batch_samples(cfg, side, dp),
             grad_scale=mesh[0] * mesh[1] if mesh else len(ranks),
-            pack_sequences=cfg.model.pack_sequences)
+            pack_sequences=_pack_sequences(cfg))
 
     def with_dp_group(self, group) -> EngineLayout:
         """This layout bound to the process's data-parallel group (see `dp_group`)."""
