@@ -188,10 +188,11 @@ def test_a_run_resolves_auto_checkpointing_before_building_the_actor(
         tmp_path, monkeypatch, capsys, free_gib, checkpointed):
     """The worker turns auto into on or off from the memory free to it (here set by the test)
     before the engines exist, logs why, and builds the actor accordingly."""
+    import dagrl.engines.checkpointing_choice as choice_module
     import dagrl.runtime.worker as worker_module
     from dagrl.runtime.run_dir import prepare_run
 
-    monkeypatch.setattr(worker_module, "room_for_rank",
+    monkeypatch.setattr(choice_module, "room_for_rank",
                         lambda device, ranks_here: int(free_gib * 2**30))
     cfg = load_config(Config, None, [f"trainer.run_dir={tmp_path / 'run'}",
                                      "actor.activation_checkpointing=auto",

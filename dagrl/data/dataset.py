@@ -26,7 +26,7 @@ import torch
 from dagrl.data.batch import Batch
 from dagrl.data.checks import check_nulls, check_rows, check_schema_types, prompt_problem
 from dagrl.data.errors import DatasetError
-from dagrl.data.images import IMAGE_COLUMN, image_problem
+from dagrl.data.images import IMAGE_COLUMN, checked_images
 from dagrl.data.listed_files import missing_file_error
 from dagrl.data.vision import IMAGE_FIELD, ImageEncoder, ImageInputs
 
@@ -362,10 +362,11 @@ class PromptLoader:
         pictures = row.get(IMAGE_COLUMN)
         if self.images is None or not pictures:
             return prompt, None
-        problem = image_problem(pictures, prompt, self.source.max_image_pixels)
+        # decoded once: checked (every row a step reads), then encoded
+        decoded, problem = checked_images(pictures, prompt, self.source.max_image_pixels)
         if problem:
             raise DatasetError(f"{where} {problem}")
-        return self.images.prompt_images(prompt, pictures)
+        return self.images.prompt_images(prompt, decoded)
 
     def _encode(self, prompt: Any, where: str) -> list[int]:
         """The prompt's tokens; a role the chat template does not know, or a template that

@@ -51,11 +51,19 @@ def decode_image(value: Any):
 def image_problem(images: Any, prompt: Any, max_pixels: int) -> str | None:
     """What is wrong with one row's images, as the end of a message that starts with the file
     and row ("column images[1]: ..."), or None."""
+    return checked_images(images, prompt, max_pixels)[1]
+
+
+def checked_images(images: Any, prompt: Any, max_pixels: int) -> tuple[list, str | None]:
+    """One row's images decoded (RGB PIL images), and what is wrong with them (see
+    `image_problem`; the images are then those decoded before the problem)."""
     images = list(images) if images is not None else []
+    decoded: list = []
     placeholders = prompt_text(prompt).count(IMAGE_PLACEHOLDER)
     if placeholders != len(images):
-        return (f"column {IMAGE_COLUMN}: {len(images)} image(s) but {placeholders} "
-                f"{IMAGE_PLACEHOLDER} placeholder(s) in the prompt (one per image, in order)")
+        return decoded, (f"column {IMAGE_COLUMN}: {len(images)} image(s) but {placeholders} "
+                         f"{IMAGE_PLACEHOLDER} placeholder(s) in the prompt (one per image, in "
+                         "order)")
     for j, value in enumerate(images):
         where = f"column {IMAGE_COLUMN}[{j}]"
         try:
@@ -65,9 +73,11 @@ def image_problem(images: Any, prompt: Any, max_pixels: int) -> str | None:
 
             reason = ("no image format PIL reads" if isinstance(err, UnidentifiedImageError)
                       else str(err) or type(err).__name__)
-            return f"{where}: not a readable image ({reason})"
+            return decoded, f"{where}: not a readable image ({reason})"
         width, height = image.size
         if max_pixels and width * height > max_pixels:
-            return (f"{where}: {width}x{height} = {width * height} pixels, above "
-                    f"data.max_image_pixels={max_pixels} (resize it, or raise the limit)")
-    return None
+            return decoded, (f"{where}: {width}x{height} = {width * height} pixels, above "
+                             f"data.max_image_pixels={max_pixels} (resize it, or raise the "
+                             "limit)")
+        decoded.append(image)
+    return decoded, None

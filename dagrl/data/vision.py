@@ -91,10 +91,10 @@ class ImageEncoder:
 
     def prompt_images(self, prompt, images: Sequence) -> tuple[object, ImageInputs]:
         """A row's prompt with each `<image>` placeholder as the model's image block, and its
-        images (verl's `images` entries, data/images.py) encoded."""
-        from dagrl.data.images import IMAGE_PLACEHOLDER, decode_image
+        images (decoded RGB PIL images, data/images.py) encoded."""
+        from dagrl.data.images import IMAGE_PLACEHOLDER
 
-        inputs = self.encode([decode_image(value) for value in images])
+        inputs = self.encode(images)
         if isinstance(prompt, str):
             return prompt.replace(IMAGE_PLACEHOLDER, IMAGE_BLOCK), inputs
         return [{**m, "content": m["content"].replace(IMAGE_PLACEHOLDER, IMAGE_BLOCK)}
@@ -158,11 +158,3 @@ def image_kwargs(images: ImageInputs | None) -> dict:
     if images is None:
         return {}
     return {"pixel_values": images.pixel_values, "image_grid_thw": images.image_grid_thw}
-
-
-def model_inputs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                 images: ImageInputs | None) -> dict:
-    """The forward's keyword arguments for whole sequences (no cache): the mask, M-RoPE
-    positions and the images."""
-    positions, _ = rope_positions(model, input_ids, attention_mask, images)
-    return {"attention_mask": attention_mask, "position_ids": positions, **image_kwargs(images)}

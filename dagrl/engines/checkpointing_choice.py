@@ -66,17 +66,28 @@ def describe_choice(on: bool, peak_bytes: int, free_bytes: int | None) -> str:
             f"{peak_bytes / GiB:.2f} GiB per rank without it, {room})")
 
 
+def peak_and_room(cfg: Config, shape: ModelShape, device, ranks_here: int, runtime_bytes: int,
+                  *, has_ref: bool, has_critic: bool) -> tuple[int, int | None]:
+    """(the estimated peak without checkpointing, the memory free to the rank) on `device`,
+    which `ranks_here` ranks share when it is the host. On an accelerator the estimate is of
+    device memory, which the host runtime (`runtime_bytes`) is not part of."""
+    from dagrl.device import is_host
+
+    host = is_host(device)
+    peak = peak_without_checkpointing(cfg, shape, runtime_bytes if host else 0,
+                                      has_ref=has_ref, has_critic=has_critic)
+    return peak, room_for_rank(device, ranks_here if host else 1)
+
+
 def choose_here(cfg: Config, shape: ModelShape, runtime_bytes: int, *, has_ref: bool,
                 has_critic: bool) -> tuple[Config, str]:
     """What auto would choose for a run started on this machine now (`dagrl plan --memory`):
     the config resolved and the line saying why. The run decides again when its workers build
     their engines, on the memory free then."""
-    from dagrl.device import device_type, is_host, worker_device
+    from dagrl.device import device_type, worker_device
 
     device = worker_device(device_type(cfg.trainer.device))
-    host = is_host(device)
-    peak = peak_without_checkpointing(cfg, shape, runtime_bytes if host else 0,
-                                      has_ref=has_ref, has_critic=has_critic)
-    free = room_for_rank(device, cfg.trainer.n_workers if host else 1)
+    peak, free = peak_and_room(cfg, shape, device, cfg.trainer.n_workers, runtime_bytes,
+                               has_ref=has_ref, has_critic=has_critic)
     on = checkpointing_needed(peak, free)
     return with_checkpointing(cfg, on), describe_choice(on, peak, free)

@@ -47,8 +47,7 @@ from dagrl.engines.bundle import build_engines
 from dagrl.engines.checkpointing_choice import (
     checkpointing_needed,
     describe_choice,
-    peak_without_checkpointing,
-    room_for_rank,
+    peak_and_room,
     with_checkpointing,
 )
 from dagrl.engines.host_memory import release_freed_memory
@@ -285,13 +284,9 @@ class Worker(CheckpointedWorker):
         without it and its least free memory, so every rank decides alike (collective).
         `runtime_rss`: what this process holds outside the estimate (before an extra policy's
         engines: the main policy's too)."""
-        # On an accelerator the estimate is of device memory, which the host runtime is not.
-        runtime = runtime_rss if is_host(self.device) else 0
-        peak = peak_without_checkpointing(cfg, model_shape(cfg), runtime,
-                                          has_ref="ref" in needed,
-                                          has_critic="critic" in needed)
-        ranks_here = self.dist.local_world_size if is_host(self.device) else 1
-        free = room_for_rank(self.device, ranks_here)
+        peak, free = peak_and_room(cfg, model_shape(cfg), self.device,
+                                   self.dist.local_world_size, runtime_rss,
+                                   has_ref="ref" in needed, has_critic="critic" in needed)
         peak = int(self.side.max(peak))
         least_free = -self.side.max(-(free if free is not None else 0))
         free = int(least_free) if least_free > 0 else None
