@@ -130,3 +130,18 @@ def test_image_rows_for_a_text_model_are_refused_before_any_work(tmp_path):
                                            r"tiny-qwen2 reads text only"):
         launch(cfg)
     assert not (tmp_path / "run").exists()
+
+
+def test_colour_pictures_hold_shapes_of_the_answer_s_colour_alone(tmp_path):
+    from dagrl.data.shapes import COLOURS
+
+    rows = pq.read_table(make_shapes(tmp_path, n_train=40, n_test=8,
+                                     task="colour")["train"]).to_pylist()
+    answers = set()
+    for row in rows:
+        pixels = np.asarray(decode_image(row["images"][0])).reshape(-1, 3)
+        drawn = {tuple(p) for p in pixels if tuple(p) != (255, 255, 255)}
+        answer = int(row["reward_model"]["ground_truth"])
+        assert drawn == {COLOURS[answer - 1]}, (answer, drawn)
+        answers.add(answer)
+    assert answers == {1, 2, 3, 4}

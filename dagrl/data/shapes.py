@@ -3,11 +3,13 @@ verl's multimodal row layout (data/images.py), for training an image-text model 
 
     dagrl data make shapes --out data/shapes                      # how many red shapes? 1-4
     dagrl data make shapes --out data/shapes task=quadrant        # where is the red square? 1-4
+    dagrl data make shapes --out data/shapes task=colour          # what colour? 1-4
     dagrl data make shapes --out data/shapes-blank blank=true     # the same rows, images blank
 
 `count`: 1-4 red shapes (circles and squares) among 0-3 shapes of other colours; `quadrant`:
 one red square in quadrant 1 (top left), 2 (top right), 3 (bottom left) or 4 (bottom right)
-among shapes of other colours. The question names no count and no place: without the image
+among shapes of other colours; `colour`: 1-3 shapes of one colour, 1 (red), 2 (blue), 3 (green)
+or 4 (yellow). The question names no count and no place: without the image
 the answer is a guess (1 in 4). `blank=true` writes the same rows with every image plain white,
 the control that shows a policy reads the image. Answers are numbers (`reward_model.
 ground_truth`), scored by the last number in the response (`shapes` scorer).
@@ -27,10 +29,13 @@ from dagrl.data.parquet_write import check_int, write_parquet_atomic
 DATA_SOURCE = "shapes"
 OTHER_COLOURS = [(40, 90, 220), (30, 160, 60), (230, 180, 20)]   # blue, green, yellow
 RED = (220, 30, 30)
+COLOURS = [RED, *OTHER_COLOURS]     # the `colour` task's answers 1-4, in this order
 QUESTIONS = {
     "count": "How many red shapes are in the picture? Answer with the number only.",
     "quadrant": "Which quadrant holds the red square: 1 (top left), 2 (top right), "
                 "3 (bottom left) or 4 (bottom right)? Answer with the number only.",
+    "colour": "What colour are the shapes: 1 (red), 2 (blue), 3 (green) or 4 (yellow)? "
+              "Answer with the number only.",
 }
 _IMAGES = pa.list_(pa.struct([("bytes", pa.binary()), ("path", pa.string())]))
 SCHEMA = pa.schema([
@@ -84,6 +89,9 @@ def _picture(rng: random.Random, size: int, task: str,
         answer = rng.randint(1, 4)
         colours = [RED] * answer + [rng.choice(OTHER_COLOURS)
                                     for _ in range(rng.randint(0, distractors))]
+    elif task == "colour":   # every shape one colour: nothing to tell apart but the colour
+        answer = rng.randint(1, 4)
+        colours = [COLOURS[answer - 1]] * rng.randint(1, 3)
     else:
         answer = rng.randint(1, 4)
         half = size // 2

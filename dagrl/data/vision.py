@@ -43,6 +43,9 @@ class ImageInputs:
     """The encoded images of one sample, or of a batch's samples concatenated in row order."""
     pixel_values: torch.Tensor      # [patches, channels x temporal x 14 x 14] float32
     image_grid_thw: torch.Tensor    # [images, 3] int64: patches in time, height, width
+    # The decoded RGB images themselves, in the same order: for an engine that runs the
+    # model's processor itself (vLLM takes images, not patches).
+    pictures: tuple = ()
 
     @staticmethod
     def concat(parts: Sequence[ImageInputs | None]) -> ImageInputs | None:
@@ -51,10 +54,12 @@ class ImageInputs:
         if not parts:
             return None
         return ImageInputs(torch.cat([p.pixel_values for p in parts]),
-                           torch.cat([p.image_grid_thw for p in parts]))
+                           torch.cat([p.image_grid_thw for p in parts]),
+                           tuple(picture for p in parts for picture in p.pictures))
 
     def to(self, device: torch.device) -> ImageInputs:
-        return ImageInputs(self.pixel_values.to(device), self.image_grid_thw.to(device))
+        return ImageInputs(self.pixel_values.to(device), self.image_grid_thw.to(device),
+                           self.pictures)
 
 
 def batch_images(batch) -> ImageInputs | None:
@@ -103,7 +108,8 @@ class ImageEncoder:
     def encode(self, images: Sequence) -> ImageInputs:
         """PIL images (RGB) -> their patch rows and grids."""
         out = self.processor(images=list(images), return_tensors="pt")
-        return ImageInputs(out["pixel_values"].float(), out["image_grid_thw"].long())
+        return ImageInputs(out["pixel_values"].float(), out["image_grid_thw"].long(),
+                           tuple(images))
 
     def tokens_per_image(self, inputs: ImageInputs) -> list[int]:
         return [int(g.prod()) // self.merge ** 2 for g in inputs.image_grid_thw]
@@ -123,6 +129,12 @@ class ImageEncoder:
         if next(counts, None) is not None:
             raise ValueError("more images than image pads in the prompt")
         return out
+
+
+def collapse_image_pads(ids: Sequence[int], pad_id: int) -> list[int]:
+    """`ids` with each run of image pads back to one pad (the inverse of `ImageEncoder.expand`:
+    an engine whose own processor expands each image's pad, as vLLM's does)."""
+    return [t for i, t in enumerate(ids) if t != pad_id or i == 0 or ids[i - 1] != pad_id]
 
 
 def _rope_module(model: torch.nn.Module) -> torch.nn.Module:
@@ -151,6 +163,24 @@ def rope_positions(model: torch.nn.Module, input_ids: torch.Tensor, attention_ma
     return _rope_module(model).get_rope_index(input_ids, mm_types,
                                               image_grid_thw=images.image_grid_thw,
                                               attention_mask=attention_mask)
+
+
+def unemittable_tokens(model: torch.nn.Module) -> list[int]:
+    """Tokens a response of `model` may not hold: an image-text model's image pad marks where
+    image features go, so a sampled one would break the next forward. The policy is the
+    model's distribution with them removed (`remove_tokens`): every rollout backend samples from
+    it and reports its log-probs, and the teacher-forced passes score tokens under it."""
+    config = getattr(model, "config", None)
+    return [image_token_id(model)] if config is not None and reads_images(config) else []
+
+
+def remove_tokens(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
+    """`logits` [..., V] with `token_ids` at the dtype's lowest value: probability 0 after a
+    softmax, with no inf (an entropy's 0 * -inf would be NaN) and no gradient to them."""
+    if not token_ids:
+        return logits
+    index = torch.tensor(list(token_ids), device=logits.device)
+    return logits.index_fill(-1, index, torch.finfo(logits.dtype).min)
 
 
 def image_kwargs(images: ImageInputs | None) -> dict:

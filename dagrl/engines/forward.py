@@ -4,6 +4,7 @@ the critic."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -13,7 +14,14 @@ from torch.utils.checkpoint import checkpoint
 
 from dagrl.algorithms.utils import entropy_from_logits, logprobs_from_logits
 from dagrl.data.batch import Batch, position_ids_from_mask, response_attention
-from dagrl.data.vision import ImageInputs, batch_images, image_kwargs, rope_positions
+from dagrl.data.vision import (
+    ImageInputs,
+    batch_images,
+    image_kwargs,
+    remove_tokens,
+    rope_positions,
+    unemittable_tokens,
+)
 from dagrl.engines.micro_batches import micro_batches
 from dagrl.engines.ulysses import SequenceShard, sequence_parallel_mesh, shard_sequence, sum_rows
 from dagrl.engines.vocab_parallel import is_vocab_sharded, vocab_parallel_token_stats
@@ -115,15 +123,20 @@ def _response_outputs(model: torch.nn.Module, prompt_ids, prompt_mask, responses
 
 def _token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                     targets: torch.Tensor, temperature: float, with_entropy: bool,
-                    with_sum_pi_squared: bool = False) -> torch.Tensor:
+                    with_sum_pi_squared: bool = False,
+                    removed: Sequence[int] = ()) -> torch.Tensor:
     """One chunk of the head: hidden [n, H], targets [n] -> [n, 3] = (log softmax(z/T)[y],
-    entropy of softmax(z/T), Σ_v softmax(z/T)_v²) with z = W h + b; the last two are 0 unless
-    asked for. Only this chunk's [n, V] logits are alive; with the head sharded over the
-    vocabulary (tensor parallelism) only [n, V / tp] of them (vocab_parallel.py)."""
+    entropy of softmax(z/T), Σ_v softmax(z/T)_v²) with z = W h + b, the `removed` tokens' z at
+    -inf (data/vision.unemittable_tokens); the last two are 0 unless asked for. Only this
+    chunk's [n, V] logits are alive; with the head sharded over the vocabulary (tensor
+    parallelism) only [n, V / tp] of them (vocab_parallel.py)."""
     if is_vocab_sharded(weight):
+        if removed:
+            raise ValueError("tokens removed from the policy (an image-text model's image pad) "
+                             "with the LM head sharded over the vocabulary: not supported")
         return vocab_parallel_token_stats(hidden, weight, bias, targets, temperature,
                                           with_entropy, with_sum_pi_squared)
-    z = F.linear(hidden, weight, bias).float() / temperature                # [n, V]
+    z = remove_tokens(F.linear(hidden, weight, bias).float() / temperature, removed)  # [n, V]
     logprobs = logprobs_from_logits(z, targets)
     entropy = entropy_from_logits(z) if with_entropy else torch.zeros_like(logprobs)
     # Σπ² feeds the optimal token baseline's ‖∇log π‖² proxy 1 − 2π_y + Σπ².
@@ -134,7 +147,7 @@ def _token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 def _chunked_head(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor,
                   temperature: float, with_entropy: bool, chunk_tokens: int,
-                  with_sum_pi_squared: bool = False) -> torch.Tensor:
+                  with_sum_pi_squared: bool = False, removed: Sequence[int] = ()) -> torch.Tensor:
     """`_token_logprobs` over [N, H] in chunks of `chunk_tokens` rows -> [N, 3]. With autograd
     on, each chunk is recomputed in backward (activation checkpointing of the head alone), so
     neither the [N, V] logits nor their gradient is ever whole: one extra head matmul per chunk
@@ -145,7 +158,7 @@ def _chunked_head(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Te
     parts = []
     for i in range(0, max(n, 1), step):   # an empty batch still yields a (0-row) graph node
         args = (hidden[i:i + step], head.weight, head.bias, targets[i:i + step], temperature,
-                with_entropy, with_sum_pi_squared)
+                with_entropy, with_sum_pi_squared, removed)
         parts.append(checkpoint(_token_logprobs, *args, use_reentrant=False) if grad
                      and n > step else _token_logprobs(*args))
     return torch.cat(parts)
@@ -185,7 +198,8 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
     runs 1/sp of the columns of either layout on each rank; the per-token results are summed
     over the sp group, so every rank returns the whole [B, R].
     `images`: the rows' images in row order, for an image-text model (data/vision.py);
-    its tokens then get M-RoPE positions (padded layout only).
+    its tokens then get M-RoPE positions (padded layout only), and the policy scored is the
+    model's distribution without its image pad (`unemittable_tokens`), as the rollouts sample.
     """
     if images is not None and (pack or sequence_parallel_mesh(model) is not None):
         raise ValueError("images go through the padded layout only: M-RoPE positions are not "
@@ -231,9 +245,11 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
             # before it predict the response tokens.
             return hidden[:, hidden.shape[1] - last - 1:-1][used[:, :last]]  # [N, H]
 
+    removed = unemittable_tokens(model)
+
     def head_forward(hidden: torch.Tensor) -> torch.Tensor:
         return _chunked_head(pick(hidden), head, targets, temperature, with_entropy,
-                             chunk_tokens, with_sum_pi_squared)
+                             chunk_tokens, with_sum_pi_squared, removed)
 
     with _head_forward(head, head_forward):
         per_token = model(input_ids=input_ids, use_cache=False, **kwargs).logits  # [N, 3]

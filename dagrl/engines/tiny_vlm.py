@@ -3,11 +3,11 @@ the tiny text models (engines/models.py), for training an image-text model from 
 
 Its tokenizer is the tiny models' character tokenizer with the upper-case letters and the
 punctuation of the built-in visual task's questions (data/shapes.py) added, and the family's
-three vision tokens as special tokens. Its vision tower is Qwen2.5-VL's (14 px patches, 2 x 2
-merge, windowed attention with one full-attention block) at a small width; its text model a
-Qwen2 decoder with M-RoPE, whose three sections (time, height, width) split the head's
-rotary frequencies. The image processor (preprocessor_config.json) resizes each image to a
-multiple of 28 px between 56 x 56 and 224 x 224 pixels: 4 to 64 image tokens.
+vision tokens (its video pad too) as special tokens. Its vision tower is Qwen2.5-VL's (14 px
+patches, 2 x 2 merge, windowed attention with one full-attention block) at a small width;
+its text model a Qwen2 decoder with M-RoPE, whose three sections (time, height, width) split
+the head's rotary frequencies. The image processor (preprocessor_config.json) resizes each
+image to a multiple of 28 px between 56 x 56 and 224 x 224 pixels: 4 to 64 image tokens.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ from dagrl.data.vision import IMAGE_PAD, VISION_END, VISION_START
 
 # Beyond the tiny models' characters: what the visual task's questions use.
 EXTRA_CHARACTERS = list("ABCDEFGHIJKLMNOPQRSTUVWXYZ,()!'")
-VISION_TOKENS = [VISION_START, VISION_END, IMAGE_PAD]
+# The video pad too, though the tiny model reads no video: vLLM's Qwen2-VL processor looks it
+# up in every vocabulary of the family (KeyError '<|video_pad|>' without it).
+VIDEO_PAD = "<|video_pad|>"
+VISION_TOKENS = [VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD]
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 224 * 224
 
 
@@ -55,9 +58,7 @@ def tiny_vlm_config(tokenizer, hidden_size: int, layers: int, heads: int = 2,
     return Qwen2_5_VLConfig(
         text_config=text, vision_config=vision, tie_word_embeddings=True,
         image_token_id=ids[IMAGE_PAD], vision_start_token_id=ids[VISION_START],
-        vision_end_token_id=ids[VISION_END],
-        # no video token in this vocabulary: an id no prompt holds
-        video_token_id=len(tokenizer))
+        vision_end_token_id=ids[VISION_END], video_token_id=ids[VIDEO_PAD])
 
 
 def tiny_image_processor():

