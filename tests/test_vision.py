@@ -120,21 +120,67 @@ VLM_RUN = ["model.path=builtin:tiny-qwen2.5-vl", "data.train_files=[builtin:shap
            "logging.progress_bar=false", "logging.console_every=1000"]
 
 
-def test_two_workers_train_an_image_text_model_as_one_does(tmp_path):
+VLM_COMPARED = ["reward/mean", "response/length/mean", "actor/pg_loss", "actor/kl",
+                "actor/entropy", "actor/grad_norm"]
+
+
+@pytest.fixture(scope="module")
+def one_worker_vlm_run(tmp_path_factory):
+    """The 1-worker run of VLM_RUN: its per-step metrics."""
+    from dagrl.config.presets import load_run_config
+    from dagrl.runtime.launch import launch
+    from tests.dist_helpers import step_metrics
+
+    run_dir = tmp_path_factory.mktemp("vlm-one") / "run"
+    launch(load_run_config(None, [f"trainer.run_dir={run_dir}", *VLM_RUN]))
+    steps = step_metrics(run_dir)
+    # some samples answer right (a digit among 4 random tokens), so the policy moves
+    assert len(steps) == 3 and all(m["actor/grad_norm"] > 0 for m in steps)
+    return steps
+
+
+def test_two_workers_train_an_image_text_model_as_one_does(one_worker_vlm_run, tmp_path):
     """Done-when 2 of issue 36: FSDP2 over the vision tower and the language model on 2
     torchrun workers, each generating its shard's samples from their images, reproduces the
     1-worker run for 3 steps."""
-    from dagrl.config.presets import load_run_config
-    from dagrl.runtime.launch import launch
     from tests.dist_helpers import assert_same_steps, step_metrics, torchrun_train
 
-    launch(load_run_config(None, [f"trainer.run_dir={tmp_path / 'one'}", *VLM_RUN]))
     torchrun_train(tmp_path / "two", 2, *VLM_RUN)
-    one, two = step_metrics(tmp_path / "one"), step_metrics(tmp_path / "two")
-    # some samples answer right (a digit among 4 random tokens), so the policy moves
-    assert len(one) == 3 and all(m["actor/grad_norm"] > 0 for m in one)
-    assert_same_steps(two, one, ["reward/mean", "response/length/mean", "actor/pg_loss",
-                                 "actor/kl", "actor/entropy", "actor/grad_norm"], rel=1e-5)
+    assert_same_steps(step_metrics(tmp_path / "two"), one_worker_vlm_run, VLM_COMPARED,
+                      rel=1e-5)
+
+
+def test_async_trains_an_image_text_model_on_the_sync_runs_batches(one_worker_vlm_run,
+                                                                   tmp_path):
+    """trainer.mode=async with an image-text model: the rollout rank sends each group's
+    images with its samples to the trainer rank (the async buffer), which trains on them; at
+    max_staleness 0 the run equals the synchronous one (docs/async.md)."""
+    from tests.dist_helpers import assert_same_steps, step_metrics, torchrun_train
+
+    torchrun_train(tmp_path / "async", 2, *VLM_RUN, "trainer.mode=async",
+                   "rollout.max_staleness=0")
+    steps = step_metrics(tmp_path / "async")
+    assert all(m["async/staleness_max"] == 0 for m in steps)
+    assert_same_steps(steps, one_worker_vlm_run, VLM_COMPARED, rel=1e-4)
+
+
+def test_lora_adapts_the_language_model_and_freezes_the_vision_tower(tmp_path):
+    """actor.lora.rank with an image-text model: adapters on the language model's linears
+    alone (the vision tower's MLP names match `all-linear` too), the run trains them."""
+    from dagrl.config.loader import load_config
+    from dagrl.config.schema import Config
+    from dagrl.runtime.run_dir import prepare_run
+    from dagrl.runtime.worker import Worker
+
+    cfg = load_config(Config, None, [f"trainer.run_dir={tmp_path / 'run'}", *VLM_RUN,
+                                     "actor.lora.rank=8"])
+    worker = Worker(prepare_run(cfg))
+    history = worker.train()
+    trained = [n for n, p in worker.engines.actor.model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n in trained)
+    assert any("language_model" in n for n in trained)
+    assert not any("visual" in n for n in trained)
+    assert len(history) == 3 and all(m["actor/grad_norm"] > 0 for m in history)
 
 
 def test_the_example_config_loads_with_its_image_text_model_and_task():
@@ -177,3 +223,12 @@ def test_multi_turn_is_refused_for_an_image_text_model():
         load_cli_config(["model.path=builtin:tiny-qwen2.5-vl", "rollout.backend=hf",
                          "rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]",
                          "rollout.multi_turn.format=tiny"])
+
+
+def test_partial_rollout_is_refused_for_an_image_text_model():
+    from dagrl.config.loader import ConfigError
+    from dagrl.train import load_cli_config
+
+    with pytest.raises(ConfigError, match="partial rollout does not carry the images"):
+        load_cli_config(["model.path=builtin:tiny-qwen2.5-vl", "trainer.mode=async",
+                         "trainer.n_workers=2", "rollout.partial=true"])

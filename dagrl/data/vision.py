@@ -170,8 +170,7 @@ def unemittable_tokens(model: torch.nn.Module) -> list[int]:
     image features go, so a sampled one would break the next forward. The policy is the
     model's distribution with them removed (`remove_tokens`): every rollout backend samples from
     it and reports its log-probs, and the teacher-forced passes score tokens under it."""
-    config = getattr(model, "config", None)
-    return [image_token_id(model)] if config is not None and reads_images(config) else []
+    return [image_token_id(model)] if reads_images(model.config) else []
 
 
 def remove_tokens(logits: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:

@@ -23,11 +23,14 @@ from pathlib import Path
 import torch
 
 from dagrl.config.loader import ConfigError
+from dagrl.data.vision import reads_images
 from dagrl.extras import MissingExtraError
 
 # In a checkpoint directory: peft's adapter_config.json of a LoRA actor (absent without LoRA).
 ADAPTER_DIR = "lora"
 _PEFT_PREFIX = "base_model.model."
+# The modules of an image-text model's vision tower (Qwen2-VL family: `model.visual.*`).
+VISION_TOWER = r".*\bvisual\b.*"
 
 
 @contextmanager
@@ -49,8 +52,13 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float,
     except ImportError as err:
         raise MissingExtraError("actor.lora.rank > 0 needs peft: pip install -e '.[lora]'") from err
 
+    # An image-text model: adapters on its language model, the vision tower frozen as loaded
+    # (verl's `exclude_modules='.*visual.*'`; vLLM applies adapters to the language model
+    # alone, and the tower's MLP names, gate/up/down_proj, would otherwise match too).
+    exclude = VISION_TOWER if reads_images(model.config) else None
     config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
-                        target_modules=target_modules, task_type="CAUSAL_LM")
+                        target_modules=target_modules, exclude_modules=exclude,
+                        task_type="CAUSAL_LM")
     try:
         with _quiet_peft():
             return get_peft_model(model, config)
@@ -200,6 +208,15 @@ class ReferenceView:
 
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.peft_model.get_output_embeddings()
+
+    @property
+    def config(self):
+        """The model's config (an image-text model's image tokens, data/vision.py)."""
+        return self.peft_model.config
+
+    def modules(self):
+        """The model's modules (an image-text model's M-RoPE module, data/vision.py)."""
+        return self.peft_model.modules()
 
     @property
     def dagrl_sp_mesh(self):

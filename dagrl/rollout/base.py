@@ -126,6 +126,12 @@ class RolloutBackend:
         if cfg.rollout.multi_turn.enable and not cls.multi_turn:
             raise ConfigError(f"rollout.multi_turn.enable with rollout.backend={name}: this "
                               "backend cannot run the multi-turn agent loop")
+        if cfg.rollout.partial and model_reads_images(cfg.model.path):
+            # versioned.py re-prompts the unfinished rows chunk by chunk, and a subset of rows
+            # would need its own rows' images split out of the batch's concatenated ones
+            raise ConfigError(f"rollout.partial with model.path={cfg.model.path}, an image-text "
+                              "model: partial rollout does not carry the images of the rows "
+                              "it continues yet; use rollout.partial=false")
         if cfg.rollout.multi_turn.enable and model_reads_images(cfg.model.path):
             # multi_turn.py re-renders each context from its messages' text and hands
             # `generate` token ids alone: a first turn's image would lose its pixels

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from dagrl.data.vision import ImageInputs
 from dagrl.rollout.base import GenerationOutput, RolloutEngine
 from dagrl.rollout.sampling import SamplingParams, mix_seed
 
@@ -52,11 +53,17 @@ class VersionedRollout:
 
     def generate(self, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                  sample_seed: torch.Tensor, params: SamplingParams, *, max_new_tokens: int,
-                 min_new_tokens: int = 0) -> GenerationOutput:
+                 min_new_tokens: int = 0, images: ImageInputs | None = None) -> GenerationOutput:
+        """`images`: the rows' images (an image-text model; not with partial rollout, which
+        rollout/base.py refuses for one)."""
+        if images is not None and self.chunk_tokens:
+            raise ValueError("partial rollout does not carry images (rollout/base.py refuses "
+                             "rollout.partial for an image-text model)")
         if not self.chunk_tokens or self.chunk_tokens >= max_new_tokens:
             out = self.engine.generate(prompt_ids, prompt_mask, sample_seed, params,
                                        max_new_tokens=max_new_tokens,
-                                       min_new_tokens=min_new_tokens)
+                                       min_new_tokens=min_new_tokens,
+                                       **({"images": images} if images is not None else {}))
             self.chunks += 1
             self.last_token_versions = torch.where(
                 out.response_mask.bool(), self.engine.weights_version, -1).long()
