@@ -204,6 +204,15 @@ def test_sequence_parallelism_is_refused_for_an_image_text_model(capsys):
         capsys.readouterr().err
 
 
+def test_tensor_parallelism_is_refused_for_an_image_text_model(capsys):
+    from dagrl.cli import main
+
+    assert main(["plan", "model.path=builtin:tiny-qwen2.5-vl", "trainer.n_workers=2",
+                 "actor.tensor_parallel_size=2"]) == 2
+    assert "tensor_parallel_size=2: an image-text model's vision tower has no tensor-parallel" \
+        in capsys.readouterr().err
+
+
 def test_packed_rows_are_refused_for_an_image_text_model():
     from dagrl.config.loader import ConfigError
     from dagrl.engines.layout import EngineLayout

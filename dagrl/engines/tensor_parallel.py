@@ -67,6 +67,12 @@ def head_counts(config) -> tuple[int, int]:
 def check_tensor_parallel(config, tp: int, key: str = "actor.tensor_parallel_size") -> None:
     """Raise ValueError naming `key` unless `tp` splits the model's heads: the query heads
     evenly, and the KV heads evenly or each KV head onto a whole number of ranks."""
+    if getattr(config, "vision_config", None) is not None:
+        # the plan below shards the decoder and a vocabulary-parallel head; the vision tower
+        # has no plan, and the sharded head's log-probs do not remove the image pad from the
+        # policy (forward._token_logprobs)
+        raise ValueError(f"{key}={tp}: an image-text model's vision tower has no tensor-parallel "
+                         "plan yet; use tensor_parallel_size=1 (FSDP2 shards both towers)")
     heads, kv = head_counts(config)
     if heads % tp:
         raise ValueError(f"{key}={tp} must divide the model's num_attention_heads ({heads})")
