@@ -241,3 +241,31 @@ def test_partial_rollout_is_refused_for_an_image_text_model():
     with pytest.raises(ConfigError, match="partial rollout does not carry the images"):
         load_cli_config(["model.path=builtin:tiny-qwen2.5-vl", "trainer.mode=async",
                          "trainer.n_workers=2", "rollout.partial=true"])
+
+
+def test_validation_samples_and_the_report_show_each_answer_beside_its_image(tmp_path):
+    """logging.val_generations keeps each kept sample's picture as a thumbnail, and the run
+    report shows it beside the answer, the ground truth and the score."""
+    import base64
+    import io
+    import json
+
+    from dagrl.config.presets import load_run_config
+    from dagrl.observe.report import render_report
+    from dagrl.runtime.launch import launch
+
+    run_dir = tmp_path / "run"
+    args = [a for a in VLM_RUN if not a.startswith(("data.val_files", "trainer.total_steps"))]
+    launch(load_run_config(None, [f"trainer.run_dir={run_dir}", *args,
+                                  "data.val_files=[builtin:shapes]", "trainer.total_steps=1",
+                                  "trainer.val_before_train=true",
+                                  "logging.val_generations=3"]))
+    records = [json.loads(line) for line in (run_dir / "val_generations.jsonl").open()]
+    assert len(records) == 3 and all(len(r["images"]) == 1 for r in records)
+    thumb = Image.open(io.BytesIO(base64.b64decode(records[0]["images"][0])))
+    assert thumb.size == (96, 96)          # the 112 px picture, shrunk
+    assert len(thumb.convert("RGB").getcolors(96 * 96)) > 1   # white and the shapes
+    html = render_report(run_dir)
+    samples = html[html.index("<section id='samples'>"):html.index("<section id='trace'>")]
+    assert samples.count("<img class='thumb'") == 3
+    assert records[0]["images"][0] in samples and "ground truth" in samples

@@ -39,6 +39,18 @@ def image_bytes(value: Any) -> bytes:
     raise ValueError(f"no image bytes or path in {type(value).__name__} {str(value)[:60]!r}")
 
 
+def thumbnail_png(picture, side: int = 96) -> str:
+    """A decoded picture shrunk to fit `side` px, as base64 PNG (for val_generations.jsonl and
+    the run report, which show each validation answer beside its image)."""
+    import base64
+
+    small = picture.copy()
+    small.thumbnail((side, side))
+    out = io.BytesIO()
+    small.save(out, format="PNG")
+    return base64.b64encode(out.getvalue()).decode("ascii")
+
+
 def decode_image(value: Any):
     """One `images` entry as an RGB PIL image (fully decoded: a truncated file fails here)."""
     from PIL import Image

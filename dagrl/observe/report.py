@@ -291,6 +291,29 @@ def _trace_tables(run_dir: Path) -> str:
             f"<th>total ms</th></tr>{op_rows}</table>")
 
 
+def _val_samples(run_dir: Path, shown: int = 12) -> str:
+    """The last validation's kept samples (logging.val_generations): each answer beside its
+    prompt's images, the ground truth and the score."""
+    from dagrl.observe.loggers import GENERATIONS_FILE
+
+    path = run_dir / GENERATIONS_FILE
+    records = read_jsonl(path).records if path.exists() else []
+    if not records:
+        return "<p class='missing'>none kept (logging.val_generations=0 or no validation)</p>"
+    last = max(r.get("step", 0) for r in records)
+    rows = []
+    for r in [r for r in records if r.get("step", 0) == last][:shown]:
+        pictures = "".join(f"<img class='thumb' alt='image' src='data:image/png;base64,"
+                           f"{escape(b64)}'>" for b64 in r.get("images", []))
+        rows.append(f"<tr><td>{pictures}</td><td><pre>{escape(str(r.get('prompt', ''))[-300:])}"
+                    f"</pre></td><td><pre>{escape(str(r.get('response', '')))}</pre></td>"
+                    f"<td>{escape(str(r.get('ground_truth', '')))}</td>"
+                    f"<td>{escape(str(r.get('score', '')))}</td></tr>")
+    return (f"<p>step {last}, the first {len(rows)} samples kept</p><table class='samples'>"
+            "<tr><th>image</th><th>prompt (end)</th><th>response</th><th>ground truth</th>"
+            f"<th>score</th></tr>{''.join(rows)}</table>")
+
+
 def _shown_config(text: str) -> str:
     """The resolved config without model.tiny_*: they size the built-in tiny model, already
     written and named by model.path in a resolved config (noise beside a real model)."""
@@ -319,6 +342,7 @@ CSS = """body{font-family:Helvetica,Arial,sans-serif;margin:24px;max-width:1200p
 h1{margin-bottom:4px} .meta{color:#666} section{margin:18px 0}
 .plots{display:grid;grid-template-columns:repeat(auto-fill,minmax(560px,1fr));gap:12px}
 .plot{border:1px solid #ddd;padding:8px;border-radius:6px} .plot p{color:#666;margin:2px 0 6px}
+.samples pre{white-space:pre-wrap;margin:0;max-width:420px} .thumb{width:96px;margin:2px}
 .plot img{width:100%} table{border-collapse:collapse;font-size:13px}
 td,th{border:1px solid #ccc;padding:3px 8px;text-align:left} pre{background:#f6f6f6;padding:8px;
 overflow:auto;font-size:12px} .summary li{display:inline-block;margin-right:18px}
@@ -366,6 +390,8 @@ def render_report(run_dir: str | Path, plan_for: PlanFor | None = None,
             f"<section id='plots'><h2>Metrics</h2><div class='plots'>{''.join(plots)}</div>"
             f"</section><section id='dag'><h2>DAG and per-rank plan</h2><div class='dag'>"
             f"{dag_svg}</div></section>"
+            f"<section id='samples'><h2>Validation samples</h2>{_val_samples(run_dir)}"
+            f"</section>"
             f"<section id='trace'><h2>Profiler trace</h2>{_trace_tables(run_dir)}</section>"
             f"<section id='config'><h2>Resolved config</h2><pre>{escape(config_text)}</pre>"
             f"</section></body></html>\n")

@@ -10,7 +10,8 @@ Metrics, per data source (reduced over all workers as exact global means):
                                  text among a prompt's samples (ties: the first seen)
 
 With logging.val_generations = N > 0, rank 0 keeps its first N samples (prompt, response, ground
-truth, score) in `samples` after each run, for RUN_DIR/val_generations.jsonl.
+truth, score, and a prompt's images as thumbnails) in `samples` after each run, for
+RUN_DIR/val_generations.jsonl, which the run report shows.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from tqdm import tqdm
 
 from dagrl.config.schema import Config
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
-from dagrl.data.vision import ImageEncoder
+from dagrl.data.images import thumbnail_png
+from dagrl.data.vision import IMAGE_FIELD, ImageEncoder
 from dagrl.engines.bundle import Engines
 from dagrl.observe.metrics import StepMetrics
 from dagrl.roles.generate import agent_rows, image_argument
@@ -132,7 +134,11 @@ class Validator:
             return
         prompts = decode_responses(self.engines.tokenizer, batch["prompt_ids"][:take],
                                    batch["prompt_mask"][:take])
+        images = batch[IMAGE_FIELD] if IMAGE_FIELD in batch else [None] * take
         for i in range(take):
-            self.samples.append({"data_source": batch["data_source"][i], "prompt": prompts[i],
-                                 "response": texts[i], "ground_truth": batch["ground_truth"][i],
-                                 "score": scores[i]})
+            sample = {"data_source": batch["data_source"][i], "prompt": prompts[i],
+                      "response": texts[i], "ground_truth": batch["ground_truth"][i],
+                      "score": scores[i]}
+            if images[i] is not None:   # the picture beside its answer (thumbnails, base64 PNG)
+                sample["images"] = [thumbnail_png(p) for p in images[i].pictures]
+            self.samples.append(sample)
