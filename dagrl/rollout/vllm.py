@@ -138,19 +138,11 @@ def _keep_cpu_linear_weights() -> None:
     layer_utils.dispatch_cpu_unquantized_gemm = keep_weights
 
 
-def _text_config(model_path: str):
-    """The model's (text) config, read before the engine starts."""
+def _model_config(model_path: str):
+    """The model's HF config, read before the engine starts."""
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model_path, local_files_only=True).get_text_config()
-
-
-def _image_pad_id(model_path: str) -> int | None:
-    """An image-text model's image pad token (None for a text model)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_path, local_files_only=True)
-    return int(config.image_token_id) if reads_images(config) else None
+    return AutoConfig.from_pretrained(model_path, local_files_only=True)
 
 
 def _check_cpu_head_size(config, model_path: str) -> None:
@@ -293,9 +285,12 @@ class VLLMRollout(RolloutBackend):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         vllm = _import_vllm()
-        config = _text_config(settings.model_path)
+        model_config = _model_config(settings.model_path)
+        config = model_config.get_text_config()
         options = {}
-        self.image_pad_id = _image_pad_id(settings.model_path)
+        # An image-text model's image pad (None for a text model).
+        self.image_pad_id = (int(model_config.image_token_id) if reads_images(model_config)
+                             else None)
         if self.image_pad_id is not None:   # images only: no video profiling at the start
             options["limit_mm_per_prompt"] = {"video": 0}
         if is_host(device):
