@@ -224,16 +224,6 @@ def test_packed_rows_are_refused_for_an_image_text_model():
         EngineLayout.of(cfg, 1)
 
 
-def test_multi_turn_is_refused_for_an_image_text_model():
-    from dagrl.config.loader import ConfigError
-    from dagrl.train import load_cli_config
-
-    with pytest.raises(ConfigError, match="the agent loop carries no images"):
-        load_cli_config(["model.path=builtin:tiny-qwen2.5-vl", "rollout.backend=hf",
-                         "rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[calculator]",
-                         "rollout.multi_turn.format=tiny"])
-
-
 def test_partial_rollout_is_refused_for_an_image_text_model():
     from dagrl.config.loader import ConfigError
     from dagrl.train import load_cli_config

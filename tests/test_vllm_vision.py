@@ -33,8 +33,9 @@ def engine(vlm_dir):
     pytest.importorskip("vllm")
     from dagrl.rollout.vllm import VLLMRollout, VLLMSettings
 
+    # max_new_tokens sets the engine's context: room for a multi-turn episode's 24 tokens
     cfg = load_config(Config, None, [f"model.path={vlm_dir}", "data.max_prompt_length=96",
-                                     "rollout.max_new_tokens=12", *SMALL_ENGINE])
+                                     "rollout.max_new_tokens=24", *SMALL_ENGINE])
     tok = load_tokenizer(str(vlm_dir))
     return VLLMRollout(VLLMSettings.from_config(cfg), torch.device("cpu"),
                        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -80,6 +81,28 @@ def test_vllm_logprobs_on_images_equal_the_training_forward(engine, vlm_dir, pro
     ref = hf.generate(ids, mask, seeds, greedy, max_new_tokens=12, images=images)
     assert torch.equal(ours.responses, ref.responses)
     torch.testing.assert_close(ours.logprobs, ref.logprobs, atol=1e-4, rtol=0)
+
+
+def test_multi_turn_episodes_read_the_first_turns_image_through_vllm(engine, vlm_dir):
+    """The agent loop over vLLM: every turn's context goes with the episode's pictures, and
+    the training forward over the whole episode scores the policy's tokens as vLLM did."""
+    from dagrl.data.vision import ImageInputs
+    from tests.test_vision_multi_turn import agent_loop, rows
+
+    tok = load_tokenizer(str(vlm_dir))
+    encoder = ImageEncoder.of_model(vlm_dir, tok)
+    episodes = rows(encoder, [picture((112, 112), "red", (10, 10, 50, 50)),
+                              picture((84, 56), "blue", (30, 5, 80, 40))])
+    out = agent_loop(engine, tok, encoder).generate(
+        episodes, torch.tensor([1, 2, 3]), SamplingParams(1.0, 0, 1.0), torch.device("cpu"))
+    assert out.turns.min() >= 2
+    teacher = response_logprobs(load_model(str(vlm_dir)), out.prompt_ids, out.prompt_mask,
+                                out.responses, out.response_mask,
+                                attention_mask=out.attention_mask,
+                                images=ImageInputs.concat([e["images"] for e in episodes]))
+    policy = out.response_mask.bool()
+    torch.testing.assert_close(out.logprobs[policy], teacher.logprobs[policy], atol=1e-4,
+                               rtol=0)
 
 
 def test_a_weight_update_reaches_the_vision_tower(engine, vlm_dir, prompts):

@@ -69,6 +69,17 @@ def batch_images(batch) -> ImageInputs | None:
     return ImageInputs.concat(list(batch[IMAGE_FIELD]))
 
 
+def image_blocks(prompt):
+    """A prompt (text or chat messages) with each `<image>` placeholder as the model's image
+    block (one image pad between the vision start and end tokens)."""
+    from dagrl.data.images import IMAGE_PLACEHOLDER
+
+    if isinstance(prompt, str):
+        return prompt.replace(IMAGE_PLACEHOLDER, IMAGE_BLOCK)
+    return [{**m, "content": m["content"].replace(IMAGE_PLACEHOLDER, IMAGE_BLOCK)}
+            if isinstance(m.get("content"), str) else m for m in prompt]
+
+
 class ImageEncoder:
     """A model's image processor and its image tokens: turns a prompt's images into
     `ImageInputs` and its single image pads into one pad per merged patch."""
@@ -97,13 +108,7 @@ class ImageEncoder:
     def prompt_images(self, prompt, images: Sequence) -> tuple[object, ImageInputs]:
         """A row's prompt with each `<image>` placeholder as the model's image block, and its
         images (decoded RGB PIL images, data/images.py) encoded."""
-        from dagrl.data.images import IMAGE_PLACEHOLDER
-
-        inputs = self.encode(images)
-        if isinstance(prompt, str):
-            return prompt.replace(IMAGE_PLACEHOLDER, IMAGE_BLOCK), inputs
-        return [{**m, "content": m["content"].replace(IMAGE_PLACEHOLDER, IMAGE_BLOCK)}
-                if isinstance(m.get("content"), str) else m for m in prompt], inputs
+        return image_blocks(prompt), self.encode(images)
 
     def encode(self, images: Sequence) -> ImageInputs:
         """PIL images (RGB) -> their patch rows and grids."""

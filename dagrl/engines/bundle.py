@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from dagrl.algorithms.kl_control import AdaptiveKLController, FixedKLController
 from dagrl.config.schema import AlgorithmConfig, Config, RewardConfig
+from dagrl.data.vision import ImageEncoder
 from dagrl.device import is_host
 from dagrl.engines.actor import ActorEngine
 from dagrl.engines.critic import CriticEngine, load_value_model
@@ -310,7 +311,7 @@ class _Build:
             env_factory=load_environment(mt.environment) if mt.environment else None,
             prompt_width=None if handed_prompts else cfg.data.max_prompt_length,
             response_width=cfg.rollout.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-            replica=replica)
+            replica=replica, images=ImageEncoder.of_model(cfg.model.path, tokenizer))
 
     def rollout_copy(self, whole_actor: torch.nn.Module | None) -> torch.nn.Module:
         """The rollout engine's own weights (layout.rollout_copy): loaded in the rollout dtype,

@@ -132,12 +132,6 @@ class RolloutBackend:
             raise ConfigError(f"rollout.partial with model.path={cfg.model.path}, an image-text "
                               "model: partial rollout does not carry the images of the rows "
                               "it continues yet; use rollout.partial=false")
-        if cfg.rollout.multi_turn.enable and model_reads_images(cfg.model.path):
-            # multi_turn.py re-renders each context from its messages' text and hands
-            # `generate` token ids alone: a first turn's image would lose its pixels
-            raise ConfigError(f"rollout.multi_turn.enable with model.path={cfg.model.path}, an "
-                              "image-text model: the agent loop carries no images between "
-                              "turns yet; use a single-turn rollout")
 
     @classmethod
     def engine_memory(cls, cfg: Config, on_host: bool) -> tuple[int, int | None, str]:

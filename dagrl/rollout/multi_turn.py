@@ -19,6 +19,9 @@ The response [B, R] interleaves the policy's tokens and the observation tokens:
     token_versions     (an engine that reports them: the async rollout side) the policy
                        version that drew each policy token, -1 elsewhere
 
+An image-text model's episode keeps its row's images (the first turn's `<image>`s) and hands
+them to the engine with every turn's context, which holds their image tokens.
+
 Turn k of sample b samples with the seed mix(sample_seed[b], k): draws stay the sample's own
 whatever its batch, and differ from turn to turn.
 
@@ -47,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dagrl.config.multi_turn import MultiTurnConfig
+from dagrl.data.vision import ImageEncoder, ImageInputs, image_blocks
 from dagrl.envs.base import Environment
 from dagrl.envs.base import step as env_step
 from dagrl.rollout.base import RolloutEngine
@@ -101,6 +105,7 @@ class _Episode:
     prompt: list[int]
     budget: int
     env: Environment | None
+    images: ImageInputs | None = None   # the first turn's (an image-text model's prompt)
     response: list[int] = field(default_factory=list)
     policy: list[float] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
@@ -175,8 +180,10 @@ class MultiTurnRollout:
     def __init__(self, engine: RolloutEngine, tokenizer, cfg: MultiTurnConfig, *,
                  tools: dict[str, Tool], env_factory: Callable[[], Environment] | None,
                  prompt_width: int | None, response_width: int, pad_token_id: int,
-                 replica: EngineReplica | None = None) -> None:
+                 replica: EngineReplica | None = None,
+                 images: ImageEncoder | None = None) -> None:
         self.engine, self.tokenizer, self.cfg = engine, tokenizer, cfg
+        self.images = images   # an image-text model's: expands each image's pad
         self.replica = replica
         self.tools, self.env_factory = tools, env_factory
         self.prompt_width, self.response_width = prompt_width, response_width
@@ -315,13 +322,28 @@ class MultiTurnRollout:
         messages = env.reset(row) if env is not None else row["prompt"]
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
+        images = row.get("images")
+        if images is not None:
+            if self.images is None:
+                raise ValueError(f"sample {index} has images but the agent loop has no image "
+                                 "encoder (the model reads text only)")
+            # The transcript keeps one image pad per image, so every later rendering (and the
+            # observations cut from it) is plain text; the prompt's tokens repeat each pad
+            # once per image token, as the single-turn prompts do (data/vision.py).
+            messages = image_blocks(messages)
         transcript = Transcript(self.tokenizer, self.schemas, [dict(m) for m in messages])
         prompt = transcript.prompt_ids()
+        if images is not None:
+            try:
+                prompt = self.images.expand(prompt, images)
+            except ValueError as err:   # an environment's opening messages lost a placeholder
+                raise ValueError(f"multi-turn sample {index}: {err} (one <image> per image in "
+                                 "the opening messages)") from None
         if self.prompt_width is not None and len(prompt) > self.prompt_width:
             raise ValueError(f"multi-turn prompt of sample {index} has {len(prompt)} tokens with "
                              f"the tools' schemas, more than data.max_prompt_length="
                              f"{self.prompt_width}; raise it")
-        return _Episode(transcript, prompt, self.response_width, env)
+        return _Episode(transcript, prompt, self.response_width, env, images)
 
     def _policy_turn(self, run: _Run) -> None:
         """Generate the next turn of every live episode, one batch through the engine."""
@@ -337,8 +359,11 @@ class MultiTurnRollout:
         if self.cfg.max_tokens_per_turn:
             limit = min(limit, self.cfg.max_tokens_per_turn)
         seeds = mix_seed(run.seeds[live].cpu(), run.turn)
+        # Every turn reads its episode's first-turn images again: each context is a new prompt.
+        images = ImageInputs.concat([episodes[i].images for i in live])
         out = self.engine.generate(ids.to(device), mask.to(device), seeds.to(device), run.params,
-                                   max_new_tokens=limit)
+                                   max_new_tokens=limit,
+                                   **({"images": images.to(device)} if images is not None else {}))
         lengths = out.response_mask.sum(-1).long().tolist()
         for row, i in enumerate(live):
             e = episodes[i]
