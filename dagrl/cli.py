@@ -14,6 +14,7 @@
     dagrl bench memory                          # peak RSS of each memory setting, one run
     dagrl bench async                           # sync vs async training on the same 2 workers
     dagrl bench scale [--calibrate] [--quick]   # weak-scaling model, dagrl vs single controller
+    dagrl bench vlm [--task count]              # GRPO on pictures beside the blank control
 """
 
 from __future__ import annotations
@@ -190,7 +191,7 @@ def data_main(argv: Sequence[str]) -> int:
     return 0
 
 
-BENCHMARKS = ("dataplane", "learning", "rollout", "e2e", "memory", "async", "scale")
+BENCHMARKS = ("dataplane", "learning", "rollout", "e2e", "memory", "async", "scale", "vlm")
 
 
 def bench_main(argv: Sequence[str]) -> int:
