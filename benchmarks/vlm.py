@@ -113,6 +113,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(report(*rows))
         return 0
     out = Path(ns.out)
+    taken = [out / label for label in ("pictures", "blank") if (out / label).exists()]
+    if taken:   # a second run there would resume or mix with the first one's metrics
+        print(f"error: dagrl bench vlm: {taken[0]} already holds a run; choose another --out "
+              "(or compare finished runs with --from-runs)", file=sys.stderr)
+        return 2
     seed = load_run_config(EXAMPLE, ns.overrides).trainer.seed
     size = {"n_train": 128, "n_test": 32} if ns.quick else {}
     steps = ns.steps or (4 if ns.quick else None)

@@ -45,6 +45,9 @@ def test_quick_bench_trains_the_example_on_pictures_and_on_blank_pictures(
     assert decode_image(pictures[0]["images"][0]).getextrema() != ((255, 255),) * 3
     out = capsys.readouterr().out
     assert "| pictures |" in out and "| blank |" in out and "pictures vs blank control" in out
+    # the same --out again is refused before any work: it would mix with the first runs
+    assert main(["--quick", "--out", str(tmp_path)]) == 2
+    assert "already holds a run" in capsys.readouterr().err
     # the same table from the finished run directories
     assert main(["--from-runs", str(tmp_path / "pictures"), str(tmp_path / "blank")]) == 0
     again = capsys.readouterr().out
