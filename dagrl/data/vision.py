@@ -69,6 +69,12 @@ def batch_images(batch) -> ImageInputs | None:
     return ImageInputs.concat(list(batch[IMAGE_FIELD]))
 
 
+def row_images(batch) -> list[ImageInputs | None]:
+    """Each row's own images (None for a row without any, and for every row of a text-only
+    batch)."""
+    return list(batch[IMAGE_FIELD]) if IMAGE_FIELD in batch else [None] * len(batch)
+
+
 def image_blocks(prompt):
     """A prompt (text or chat messages) with each `<image>` placeholder as the model's image
     block (one image pad between the vision start and end tokens)."""

@@ -17,7 +17,7 @@ import zlib
 import torch
 
 from dagrl.data.batch import RESPONSE_ATTENTION_MASK, Batch
-from dagrl.data.vision import IMAGE_FIELD, batch_images
+from dagrl.data.vision import batch_images, row_images
 from dagrl.roles.multi_model import agreed_width, left_pad
 from dagrl.roles.registry import NodeContext, register_role
 from dagrl.roles.score import decode_responses
@@ -92,11 +92,10 @@ def samples(ctx: NodeContext, batch: Batch, step: int) -> Batch:
 def agent_rows(batch: Batch) -> list[dict]:
     """What an episode starts from: each sample's dataset row (with its encoded images, an
     image-text model's, under `images`)."""
-    images = batch[IMAGE_FIELD] if IMAGE_FIELD in batch else [None] * len(batch)
     return [{"prompt": p, "data_source": d, "ground_truth": g, "extra_info": e, "images": i}
             for p, d, g, e, i in zip(batch["prompt"], batch["data_source"],
-                                     batch["ground_truth"], batch["extra_info"], images,
-                                     strict=True)]
+                                     batch["ground_truth"], batch["extra_info"],
+                                     row_images(batch), strict=True)]
 
 
 def _multi_turn(ctx: NodeContext, batch: Batch, params: SamplingParams) -> Batch:

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from dagrl.config.schema import Config
 from dagrl.data.dataset import ParquetPrompts, PromptLoader
 from dagrl.data.images import thumbnail_png
-from dagrl.data.vision import IMAGE_FIELD, ImageEncoder
+from dagrl.data.vision import ImageEncoder, row_images
 from dagrl.engines.bundle import Engines
 from dagrl.observe.metrics import StepMetrics
 from dagrl.roles.generate import agent_rows, image_argument
@@ -134,7 +134,7 @@ class Validator:
             return
         prompts = decode_responses(self.engines.tokenizer, batch["prompt_ids"][:take],
                                    batch["prompt_mask"][:take])
-        images = batch[IMAGE_FIELD] if IMAGE_FIELD in batch else [None] * take
+        images = row_images(batch)
         for i in range(take):
             sample = {"data_source": batch["data_source"][i], "prompt": prompts[i],
                       "response": texts[i], "ground_truth": batch["ground_truth"][i],
