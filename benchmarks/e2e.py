@@ -422,8 +422,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     flops = step_flops(work, mean_prompt_tokens(data, model, work.name), ModelShape.of(model),
                        kl=work.name == "smollm2")
     limit_s = flops["total"] / (gflops * 1e9)
+    shared_s = flops["shared_total"] / (gflops * 1e9)
     results["limit"] = {"matmul_gflops": gflops, "flops": flops, "step_s": limit_s,
-                        "tokens_per_s": work.completion_tokens / limit_s}
+                        "tokens_per_s": work.completion_tokens / limit_s,
+                        "shared_step_s": shared_s,
+                        "shared_tokens_per_s": work.completion_tokens / shared_s}
     print(f"\nworkload: {work.prompts} prompts x {work.samples} samples x {work.tokens} tokens "
           f"= {work.completion_tokens} completion tokens/step, {work.steps} steps (first "
           f"excluded) x {ns.rounds} rounds per side, {work.threads} threads, {os.cpu_count()} CPUs"
@@ -431,11 +434,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for side in sides:
         r = results[side]
         r["fraction_of_limit"] = r["tokens_per_s"] / results["limit"]["tokens_per_s"]
+        r["fraction_of_shared_limit"] = (r["tokens_per_s"]
+                                         / results["limit"]["shared_tokens_per_s"])
         print(f"{side:>13}: {r['tokens_per_s']:8.1f} completion tokens/s (median step "
               f"{r['tokens_per_s_median']:.1f}, best step {r['tokens_per_s_best']:.1f}; "
               f"{r['tokens_per_cpu_s']:.1f} per CPU-s), mean completion length "
               f"{statistics.mean(r['mean_length']):.1f}, {r['fraction_of_limit']:.1%} of the "
-              f"limit, load {r['load_before']:.1f} -> {r['load_after']:.1f}; rounds: "
+              f"limit ({r['fraction_of_shared_limit']:.1%} of the shared-prompt one), load "
+              f"{r['load_before']:.1f} -> {r['load_after']:.1f}; rounds: "
               + ", ".join(f"{run['tokens_per_s']:.0f}" for run in r["rounds"]))
         print(f"{'':>13}  median {statistics.median(r['step_seconds']):.2f} s/step, peak RSS "
               f"{r['peak_rss_gb']:.2f} GiB")
@@ -469,6 +475,9 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"{flops['matmul_params']:,} matmul params) at {gflops:.1f} {work.precision} GFLOP/s = "
           f"{limit_s * 1e3:.0f} ms/step = "
           f"{results['limit']['tokens_per_s']:.0f} completion tokens/s")
+    print(f"shared-prompt limit (each prompt once per group of {work.samples}, as the native "
+          f"decoder's prefill and model.share_prompts compute it): "
+          f"{flops['shared_total'] / 1e9:.2f} GFLOP/step = {shared_s * 1e3:.0f} ms/step")
     if ns.json:
         ns.json.parent.mkdir(parents=True, exist_ok=True)
         ns.json.write_text(json.dumps(results, indent=2))

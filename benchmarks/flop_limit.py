@@ -70,6 +70,13 @@ def step_flops(work: Workload, prompt_tokens: float, shape: ModelShape, kl: bool
     forward. Neither side runs a separate old-logprob forward: each batch gets one optimizer
     step, so pi_old = pi (TRL with num_iterations=1; ours with actor.skip_on_policy_old_logprob).
     Recomputation under activation checkpointing is not useful work and is not counted.
+
+    `shared_*`: the same step with each prompt computed once per group of `samples`, not once
+    per sample (p prompt, r completion tokens; the native decoder's prefill and the
+    `model.share_prompts` passes do this):
+      shared forward = prompts * (2 P (p + n r) + 4 H L (sum_{c<=p} c + n sum_{p<c<=p+r} c))
+    The plain figures count the work as the algorithm states it (and TRL does it); a side that
+    shares prompts can pass the plain limit's share, never the shared one's.
     """
     h, layers = shape.hidden, shape.layers
     kv_dim = h // shape.heads * shape.kv_heads
@@ -79,9 +86,13 @@ def step_flops(work: Workload, prompt_tokens: float, shape: ModelShape, kl: bool
     batch = work.prompts * work.samples
     forward = batch * (2 * params * seq + 4 * h * layers * seq * (seq + 1) / 2)
     forwards = 5 if kl else 4
+    p, r, n = prompt_tokens, work.tokens, work.samples
+    context = p * (p + 1) / 2 + n * ((p + r) * (p + r + 1) / 2 - p * (p + 1) / 2)
+    shared = work.prompts * (2 * params * (p + n * r) + 4 * h * layers * context)
     return {"matmul_params": params, "seq_tokens": seq, "forward": forward, "forwards": forwards,
             "generation": forward, "reference": forward if kl else 0.0, "update": 3 * forward,
-            "total": forwards * forward}
+            "total": forwards * forward, "shared_forward": shared,
+            "shared_total": forwards * shared}
 
 
 def mean_prompt_tokens(data: Path, model: Path, name: str) -> float:
@@ -106,7 +117,9 @@ ROLE_FLOPS = {"rollout": "generation", "ref_logprob": "reference", "actor_update
 
 def role_line(roles: dict[str, list[float]], flops: dict, gflops: float) -> str:
     """'rollout 6.70 s (limit 1.20 s, 18%), ...': the median seconds of every node of the
-    step, and for the FLOP-counted ones the time the matmul rate allows and the share of it."""
+    step, and for the FLOP-counted ones the time the matmul rate allows and the share of it;
+    with the shared-prompt count in `flops`, also that limit's share ('; shared 0.60 s, 9%')."""
+    shared = flops.get("shared_forward", 0.0) / flops["forward"] if flops.get("forward") else 0
     parts = []
     for name, seconds in sorted(roles.items(), key=lambda kv: -statistics.median(kv[1])):
         median = statistics.median(seconds)
@@ -115,6 +128,8 @@ def role_line(roles: dict[str, list[float]], flops: dict, gflops: float) -> str:
         part = f"{name} {median:.2f} s"
         if ROLE_FLOPS.get(name) and flops.get(ROLE_FLOPS[name]):
             limit = flops[ROLE_FLOPS[name]] / (gflops * 1e9)
-            part += f" (limit {limit:.2f} s, {limit / median:.0%})"
+            part += f" (limit {limit:.2f} s, {limit / median:.0%}"
+            part += f"; shared {limit * shared:.2f} s, {limit * shared / median:.0%})" \
+                if shared else ")"
         parts.append(part)
     return "median per node: " + ", ".join(parts)

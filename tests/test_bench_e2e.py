@@ -53,6 +53,12 @@ def test_flops_of_the_smollm2_workload_count_the_reference_forward():
     assert flops["total"] == 5 * flops["forward"] == flops["generation"] + flops["reference"] \
         + flops["update"]
     assert 4.0e12 < flops["total"] < 6.0e12              # the issue's ~4.7 TFLOP/step
+    # Each group's 80-token prompt once: 80 + 4 x 48 tokens per group, not 4 x 128.
+    p, r = 80.0, 48
+    context = p * (p + 1) / 2 + 4 * ((p + r) * (p + r + 1) / 2 - p * (p + 1) / 2)
+    per_group = 2 * flops["matmul_params"] * (p + 4 * r) + 4 * 576 * 30 * context
+    assert flops["shared_forward"] == pytest.approx(8 * per_group)
+    assert 0.5 < flops["shared_total"] / flops["total"] < 0.56
 
 
 def test_first_step_is_excluded():
@@ -110,3 +116,8 @@ def test_the_step_is_broken_down_by_node_against_each_role_s_limit(tmp_path):
     line = role_line(roles, flops, gflops=1.0)            # 1 GFLOP/s: 1 s and 3 s of work
     assert line == ("median per node: actor_update 6.00 s (limit 3.00 s, 50%), "
                     "rollout 4.50 s (limit 1.00 s, 22%)")  # reward (1 ms) left out
+    # With the shared-prompt count: each role's limit scaled by shared / plain forward.
+    flops.update(forward=1e9, shared_forward=0.5e9)
+    line = role_line(roles, flops, gflops=1.0)
+    assert line == ("median per node: actor_update 6.00 s (limit 3.00 s, 50%; shared 1.50 s, "
+                    "25%), rollout 4.50 s (limit 1.00 s, 22%; shared 0.50 s, 11%)")

@@ -48,6 +48,13 @@ class ModelConfig:
     # sequences end to end in one row, attention kept within each (verl's use_remove_padding).
     # Same numbers as the padded layout; pays where padding is a large share of the tokens.
     pack_sequences: bool = False
+    # Teacher-forced passes (actor, reference, critic) compute each distinct prompt of a
+    # micro-batch once, its samples' responses after it in the same row under a tree mask
+    # (engines/shared_prompts.py): a GRPO group of n samples runs its prompt once, not n times.
+    # Same numbers as the padded layout; pays where prompts are a large share of the tokens
+    # (SmolLM2 on gsm8k-synth: 1.9x faster update passes). Takes precedence over
+    # pack_sequences. Not with image-text models or sequence parallelism.
+    share_prompts: bool = False
     # Mixed precision: `bfloat16` runs the matmuls of every teacher-forced pass (actor update,
     # old-logprob, reference, critic) in bfloat16 under autocast, while weights, gradients,
     # AdamW state, log-softmax and losses stay in `dtype` (float32); the rollout engine then

@@ -67,7 +67,8 @@ class ActorEngine(TrainEngine):
                                        temperature=self.temperature,
                                        chunk_tokens=self.cfg.logits_chunk_tokens,
                                        max_tokens=self.max_tokens, pack=self.pack,
-                                       with_sum_pi_squared=with_sum_pi_squared)
+                                       with_sum_pi_squared=with_sum_pi_squared,
+                                       share_prompts=self.share_prompts)
 
     def check_batch(self, batch: Batch) -> None:
         if self.algo.kl_loss_coef > 0 and "ref_logprobs" not in batch:
@@ -94,7 +95,8 @@ class ActorEngine(TrainEngine):
                                     attention_mask=response_attention(micro),
                                     temperature=self.temperature,
                                     with_entropy=True, chunk_tokens=self.cfg.logits_chunk_tokens,
-                                    pack=self.pack, images=batch_images(micro))
+                                    pack=self.pack, images=batch_images(micro),
+                                    share_prompts=self.share_prompts)
         # Without an old_logprob pass the batch gets one optimizer step (checked in
         # check_batch): pi_old = pi, as a constant. In sync mode pi generated the batch; in async
         # mode pi is up to max_staleness versions newer, and pi_old = pi is what a recomputed

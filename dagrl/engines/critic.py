@@ -65,14 +65,16 @@ class CriticEngine(TrainEngine):
         self.model.eval()
         with self.autocast():
             return batch_values(self.model, batch, micro_batch_size=self.micro_batch_size,
-                                max_tokens=self.max_tokens, pack=self.pack)
+                                max_tokens=self.max_tokens, pack=self.pack,
+                                share_prompts=self.share_prompts)
 
     def micro_loss(self, micro: Batch, denoms: Mapping[str, float], metrics: StepMetrics):
         mask = micro["response_mask"]
         with self.autocast():
             values = response_values(self.model, micro["prompt_ids"], micro["prompt_mask"],
                                      micro["responses"], mask,
-                                     attention_mask=response_attention(micro), pack=self.pack)
+                                     attention_mask=response_attention(micro), pack=self.pack,
+                                     share_prompts=self.share_prompts)
         loss_mat, stats = clipped_value_loss(values, micro["values"], micro["returns"], mask,
                                              cliprange_value=self.cfg.cliprange_value)
         loss = agg_loss(loss_mat, mask, self.loss_agg_mode, denom=denoms[self.loss_agg_mode])

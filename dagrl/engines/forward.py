@@ -9,20 +9,19 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from dagrl.algorithms.utils import entropy_from_logits, logprobs_from_logits
 from dagrl.data.batch import Batch, position_ids_from_mask, response_attention
 from dagrl.data.vision import (
     ImageInputs,
     batch_images,
     image_kwargs,
-    remove_tokens,
     rope_positions,
     unemittable_tokens,
 )
+from dagrl.engines.head_stats import head_token_stats
 from dagrl.engines.micro_batches import micro_batches
+from dagrl.engines.shared_prompts import shared_prompt_inputs
 from dagrl.engines.ulysses import SequenceShard, sequence_parallel_mesh, shard_sequence, sum_rows
 from dagrl.engines.vocab_parallel import is_vocab_sharded, vocab_parallel_token_stats
 
@@ -95,10 +94,39 @@ def _sequence_shard(model: torch.nn.Module, mesh, prompt_ids, prompt_mask, respo
     return shard_sequence(mesh, *layout)
 
 
+def _shared_prompt_kwargs(model: torch.nn.Module, prompt_ids, prompt_mask, responses,
+                          response_mask, attention_mask) -> tuple[dict, torch.Tensor]:
+    """The model's inputs in the shared-prompt layout (shared_prompts.py) and the flat
+    [G * T] indices of the positions predicting each used response token."""
+    shared = shared_prompt_inputs(prompt_ids, prompt_mask, responses, response_mask,
+                                  attention_mask)
+    mask = shared.attention_mask(model.config._attn_implementation,
+                                 model.get_input_embeddings().weight.dtype)
+    return ({"input_ids": shared.input_ids, "position_ids": shared.position_ids,
+             "attention_mask": mask}, shared.predicting)
+
+
+def _check_layout(model: torch.nn.Module, share_prompts: bool, images) -> None:
+    if share_prompts and sequence_parallel_mesh(model) is not None:
+        raise ValueError("model.share_prompts with sequence parallelism: a sequence shard "
+                         "holds contiguous spans of one sequence, and a shared-prompt row "
+                         "holds several; set model.share_prompts=false")
+    if images is not None and share_prompts:
+        raise ValueError("images with model.share_prompts: M-RoPE positions are computed "
+                         "over padded rows only; set model.share_prompts=false")
+
+
 def _response_outputs(model: torch.nn.Module, prompt_ids, prompt_mask, responses,
-                      response_mask, attention_mask, pack: bool) -> torch.Tensor:
+                      response_mask, attention_mask, pack: bool,
+                      share_prompts: bool = False) -> torch.Tensor:
     """Run the model on [prompt | response] and return its outputs at the positions that
     *predict* each used response token: [N, ...] (row-major over the response mask)."""
+    _check_layout(model, share_prompts, None)
+    if share_prompts:
+        kwargs, predicting = _shared_prompt_kwargs(model, prompt_ids, prompt_mask, responses,
+                                                   response_mask, attention_mask)
+        out = model(use_cache=False, **kwargs).logits
+        return out.reshape(-1, *out.shape[2:])[predicting]
     mesh = sequence_parallel_mesh(model)
     if mesh is not None:   # this rank's 1/sp of every sequence (ulysses.py)
         shard = _sequence_shard(model, mesh, prompt_ids, prompt_mask, responses, response_mask,
@@ -121,37 +149,31 @@ def _response_outputs(model: torch.nn.Module, prompt_ids, prompt_mask, responses
     return out[:, start:start + last][response_mask[:, :last].bool()]
 
 
-def _token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                    targets: torch.Tensor, temperature: float, with_entropy: bool,
-                    with_sum_pi_squared: bool = False,
-                    removed: Sequence[int] = ()) -> torch.Tensor:
-    """One chunk of the head: hidden [n, H], targets [n] -> [n, 3] = (log softmax(z/T)[y],
-    entropy of softmax(z/T), Σ_v softmax(z/T)_v²) with z = W h + b, the `removed` tokens' z at
-    -inf (data/vision.unemittable_tokens); the last two are 0 unless asked for. Only this
-    chunk's [n, V] logits are alive; with the head sharded over the vocabulary (tensor
-    parallelism) only [n, V / tp] of them (vocab_parallel.py)."""
-    if is_vocab_sharded(weight):
-        if removed:
-            raise ValueError("tokens removed from the policy (an image-text model's image pad) "
-                             "with the LM head sharded over the vocabulary: not supported")
-        return vocab_parallel_token_stats(hidden, weight, bias, targets, temperature,
-                                          with_entropy, with_sum_pi_squared)
-    z = remove_tokens(F.linear(hidden, weight, bias).float() / temperature, removed)  # [n, V]
-    logprobs = logprobs_from_logits(z, targets)
-    entropy = entropy_from_logits(z) if with_entropy else torch.zeros_like(logprobs)
-    # Σπ² feeds the optimal token baseline's ‖∇log π‖² proxy 1 − 2π_y + Σπ².
-    sum_sq = (torch.softmax(z, dim=-1).square().sum(-1) if with_sum_pi_squared
-              else torch.zeros_like(logprobs))
-    return torch.stack([logprobs, entropy, sum_sq], dim=-1)
+def _vocab_parallel_stats(hidden: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None, targets: torch.Tensor, temperature: float,
+                          with_entropy: bool, with_sum_pi_squared: bool = False,
+                          removed: Sequence[int] = ()) -> torch.Tensor:
+    """One chunk of a head sharded over the vocabulary (tensor parallelism): hidden [n, H],
+    targets [n] -> [n, 3] as `head_token_stats`, with [n, V / tp] logits alive
+    (vocab_parallel.py)."""
+    if removed:
+        raise ValueError("tokens removed from the policy (an image-text model's image pad) "
+                         "with the LM head sharded over the vocabulary: not supported")
+    return vocab_parallel_token_stats(hidden, weight, bias, targets, temperature,
+                                      with_entropy, with_sum_pi_squared)
 
 
 def _chunked_head(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Tensor,
                   temperature: float, with_entropy: bool, chunk_tokens: int,
                   with_sum_pi_squared: bool = False, removed: Sequence[int] = ()) -> torch.Tensor:
-    """`_token_logprobs` over [N, H] in chunks of `chunk_tokens` rows -> [N, 3]. With autograd
-    on, each chunk is recomputed in backward (activation checkpointing of the head alone), so
-    neither the [N, V] logits nor their gradient is ever whole: one extra head matmul per chunk
-    buys a [N, V] -> [chunk, V] peak."""
+    """(log p_y, entropy, Σp²) of [N, H] hidden states in chunks of `chunk_tokens` rows ->
+    [N, 3]. Neither the [N, V] logits nor their gradient is ever whole: each chunk's logits
+    are recomputed in backward, one extra head matmul per chunk for a [N, V] -> [chunk, V]
+    peak. A whole head runs head_stats.py's hand-written backward; a head sharded over the
+    vocabulary (tensor parallelism) checkpoints each chunk of `_vocab_parallel_stats`."""
+    if not is_vocab_sharded(head.weight):
+        return head_token_stats(hidden, head.weight, head.bias, targets, temperature,
+                                with_entropy, with_sum_pi_squared, removed, chunk_tokens)
     n = hidden.shape[0]
     step = chunk_tokens if chunk_tokens > 0 else max(n, 1)
     grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
@@ -159,8 +181,8 @@ def _chunked_head(hidden: torch.Tensor, head: torch.nn.Module, targets: torch.Te
     for i in range(0, max(n, 1), step):   # an empty batch still yields a (0-row) graph node
         args = (hidden[i:i + step], head.weight, head.bias, targets[i:i + step], temperature,
                 with_entropy, with_sum_pi_squared, removed)
-        parts.append(checkpoint(_token_logprobs, *args, use_reentrant=False) if grad
-                     and n > step else _token_logprobs(*args))
+        parts.append(checkpoint(_vocab_parallel_stats, *args, use_reentrant=False) if grad
+                     and n > step else _vocab_parallel_stats(*args))
     return torch.cat(parts)
 
 
@@ -183,7 +205,8 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
                       chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                       pack: bool = False,
                       with_sum_pi_squared: bool = False,
-                      images: ImageInputs | None = None) -> ResponseLogprobs:
+                      images: ImageInputs | None = None,
+                      share_prompts: bool = False) -> ResponseLogprobs:
     """log softmax(z_t / T)[y_t] for every response token y_t: [B, R] (0 where masked).
 
     prompt_ids/prompt_mask: [B, P] left-padded; responses/response_mask: [B, R] right-padded.
@@ -192,11 +215,13 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
     between the policy's turns are read (attended to) but get no log-prob (0 there).
     No [B, T, V] logits tensor is built: the head runs on the N used response tokens' hidden
     states alone, in chunks of `chunk_tokens` (0: all at once). `pack`: the rows go through
-    the model as one packed row without padding (`_packed_inputs`); otherwise padded, minus
-    the columns that are padding in every row, keeping only the response positions'
-    hidden states (`logits_to_keep`). A model set up for sequence parallelism (ulysses.py)
-    runs 1/sp of the columns of either layout on each rank; the per-token results are summed
-    over the sp group, so every rank returns the whole [B, R].
+    the model as one packed row without padding (`_packed_inputs`); `share_prompts`: each
+    distinct prompt once, its samples' responses after it (shared_prompts.py; it takes
+    precedence over `pack`); otherwise padded, minus the columns that are padding in every
+    row, keeping only the response positions' hidden states (`logits_to_keep`). A model set
+    up for sequence parallelism (ulysses.py) runs 1/sp of the columns of either layout on
+    each rank; the per-token results are summed over the sp group, so every rank returns the
+    whole [B, R].
     `images`: the rows' images in row order, for an image-text model (data/vision.py);
     its tokens then get M-RoPE positions (padded layout only), and the policy scored is the
     model's distribution without its image pad (`unemittable_tokens`), as the rollouts sample.
@@ -204,6 +229,7 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
     if images is not None and (pack or sequence_parallel_mesh(model) is not None):
         raise ValueError("images go through the padded layout only: M-RoPE positions are not "
                          "computed for packed rows or sequence shards")
+    _check_layout(model, share_prompts, images)
     batch, resp_len = responses.shape
     images = images.to(responses.device) if images is not None else None
     attention_mask = response_mask if attention_mask is None else attention_mask
@@ -225,6 +251,13 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
 
         def finish(rows: torch.Tensor) -> torch.Tensor:                      # [n, 3] -> [N, 3]
             return sum_rows(rows, shard, n_used, mesh)
+    elif share_prompts:
+        kwargs, predicting = _shared_prompt_kwargs(model, prompt_ids, prompt_mask, responses,
+                                                   response_mask, attention_mask)
+        input_ids = kwargs.pop("input_ids")
+
+        def pick(hidden: torch.Tensor) -> torch.Tensor:                      # [G, T, H]
+            return hidden.reshape(-1, hidden.shape[-1])[predicting]           # [N, H]
     elif pack:
         input_ids, positions, predicting = _packed_inputs(prompt_ids, prompt_mask, responses,
                                                           response_mask, attention_mask)
@@ -264,13 +297,14 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
 def response_values(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                     responses: torch.Tensor, response_mask: torch.Tensor, *,
                     attention_mask: torch.Tensor | None = None,
-                    pack: bool = False) -> torch.Tensor:
+                    pack: bool = False, share_prompts: bool = False) -> torch.Tensor:
     """V(s_t) for the state before each response token of `response_mask`, from a scalar-head
-    model: [B, R] (0 elsewhere); `attention_mask` as in `response_logprobs`."""
+    model: [B, R] (0 elsewhere); `attention_mask`, `pack` and `share_prompts` as in
+    `response_logprobs`."""
     used = response_mask.bool()
     attention_mask = response_mask if attention_mask is None else attention_mask
     out = _response_outputs(model, prompt_ids, prompt_mask, responses, response_mask,
-                            attention_mask, pack)
+                            attention_mask, pack, share_prompts)
     values = torch.zeros(responses.shape, device=responses.device)
     values[used] = out[..., 0].float()
     return values
@@ -279,19 +313,20 @@ def response_values(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mas
 @torch.no_grad()
 def batch_logprobs(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int,
                    temperature: float, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                   max_tokens: int = 0, pack: bool = False) -> torch.Tensor:
+                   max_tokens: int = 0, pack: bool = False,
+                   share_prompts: bool = False) -> torch.Tensor:
     """Forward-only log-probs for a whole batch, in micro-batches (engines/micro_batches.py):
     -> [N, R] in batch order."""
     return batch_logprob_stats(model, batch, micro_batch_size=micro_batch_size,
                                temperature=temperature, chunk_tokens=chunk_tokens,
-                               max_tokens=max_tokens, pack=pack)[0]
+                               max_tokens=max_tokens, pack=pack, share_prompts=share_prompts)[0]
 
 
 @torch.no_grad()
 def batch_logprob_stats(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int,
                         temperature: float, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                         max_tokens: int = 0, pack: bool = False,
-                        with_sum_pi_squared: bool = False
+                        with_sum_pi_squared: bool = False, share_prompts: bool = False
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`batch_logprobs`, and with `with_sum_pi_squared` also Σ_v π(v | s_t)² per response token:
     -> ([N, R], [N, R] or None) in batch order."""
@@ -303,7 +338,7 @@ def batch_logprob_stats(model: torch.nn.Module, batch: Batch, *, micro_batch_siz
                 model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
                 attention_mask=response_attention(mb), temperature=temperature,
                 chunk_tokens=chunk_tokens, pack=pack, with_sum_pi_squared=with_sum_pi_squared,
-                images=batch_images(mb))
+                images=batch_images(mb), share_prompts=share_prompts)
             out[idx.to(out.device)] = res.logprobs
             if sum_sq is not None:
                 sum_sq[idx.to(out.device)] = res.sum_pi_squared
@@ -312,12 +347,14 @@ def batch_logprob_stats(model: torch.nn.Module, batch: Batch, *, micro_batch_siz
 
 @torch.no_grad()
 def batch_values(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int,
-                 max_tokens: int = 0, pack: bool = False) -> torch.Tensor:
+                 max_tokens: int = 0, pack: bool = False,
+                 share_prompts: bool = False) -> torch.Tensor:
     """Forward-only values for a whole batch, in micro-batches: -> [N, R] in batch order."""
     out = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
     for idx, mb in micro_batches(batch, micro_batch_size, max_tokens):
         if len(mb):
             out[idx.to(out.device)] = response_values(
                 model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
-                attention_mask=response_attention(mb), pack=pack)
+                attention_mask=response_attention(mb), pack=pack,
+                share_prompts=share_prompts)
     return out

@@ -62,6 +62,22 @@ def _pack_sequences(cfg: Config) -> bool:
     return cfg.model.pack_sequences
 
 
+def _share_prompts(cfg: Config, mesh: tuple[int, int, int] | None) -> bool:
+    # A shared-prompt row holds one prompt and several responses (engines/shared_prompts.py):
+    # a sequence shard cuts one sequence into contiguous spans, and M-RoPE's positions are
+    # built over padded rows.
+    if not cfg.model.share_prompts:
+        return False
+    _check(not model_reads_images(cfg.model.path),
+           f"model.share_prompts=true: {cfg.model.path} is an image-text model, whose M-RoPE "
+           "positions are computed over padded rows only; set model.share_prompts=false")
+    _check(mesh is None or mesh[1] == 1,
+           "model.share_prompts=true with sequence parallelism: a sequence shard holds "
+           "contiguous spans of one sequence, a shared-prompt row several sequences; set "
+           "model.share_prompts=false or actor.sequence_parallel_size=1")
+    return True
+
+
 @dataclass(frozen=True)
 class EngineLayout:
     device_type: str
@@ -79,6 +95,7 @@ class EngineLayout:
     mini_batch_samples: int              # samples per optimizer step on a rank
     grad_scale: int                      # the loss factor: ranks FSDP2 averages gradients over
     pack_sequences: bool
+    share_prompts: bool
     # One rank per data-parallel replica (loss denominators are summed over it); bound by
     # build_engines once the groups exist (None before, and with one replica).
     dp_group: object = field(default=None, compare=False, repr=False)
@@ -105,7 +122,7 @@ class EngineLayout:
             rollout_copy=_rollout_copy(cfg, side, len(ranks)),
             mini_batch_samples=_mini_batch_samples(cfg, side, dp),
             grad_scale=mesh[0] * mesh[1] if mesh else len(ranks),
-            pack_sequences=_pack_sequences(cfg))
+            pack_sequences=_pack_sequences(cfg), share_prompts=_share_prompts(cfg, mesh))
 
     def with_dp_group(self, group) -> EngineLayout:
         """This layout bound to the process's data-parallel group (see `dp_group`)."""

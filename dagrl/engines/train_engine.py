@@ -58,7 +58,8 @@ class TrainEngine(ABC):
                  max_tokens_per_micro_batch: int = 0) -> None:
         """`layout` (engines/layout.py) gives what every trained model shares: the samples per
         optimizer step on this rank (`mini_batch_samples`), forwards without padding
-        (`pack_sequences`, engines/forward.py), the forwards' autocast (`mixed_precision`,
+        (`pack_sequences`, engines/forward.py), each distinct prompt computed once
+        (`share_prompts`, engines/shared_prompts.py), the forwards' autocast (`mixed_precision`,
         engines/precision.py), one rank per data-parallel replica (`dp_group`) and the ranks
         FSDP averages gradients over (`grad_scale`). Per engine: `micro_batch_size` samples per
         forward and backward, or `max_tokens_per_micro_batch` > 0: micro-batches cut by a
@@ -70,6 +71,7 @@ class TrainEngine(ABC):
         self.agg_modes: tuple[str, ...] = (loss_agg_mode,)
         self.mini_batch_samples, self.micro_batch_size = layout.mini_batch_samples, micro_batch_size
         self.max_tokens, self.pack = max_tokens_per_micro_batch, layout.pack_sequences
+        self.share_prompts = layout.share_prompts
         self.epochs = epochs
         self.dp_group = layout.dp_group
         self.dp_size = dist.get_world_size(self.dp_group) if self.dp_group is not None else 1

@@ -75,7 +75,7 @@ def ref_logprob(ctx: NodeContext, batch: Batch) -> Batch:
             temperature=logprob_temperature(ctx.config.rollout.temperature),
             chunk_tokens=ctx.config.ref.logits_chunk_tokens,
             max_tokens=ctx.config.ref.max_tokens_per_micro_batch,
-            pack=ctx.config.model.pack_sequences)
+            pack=ctx.config.model.pack_sequences, share_prompts=ctx.config.model.share_prompts)
     return batch
 
 
