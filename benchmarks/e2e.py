@@ -37,7 +37,9 @@ It prints completion tokens per second of wall time for each side, every ours/TR
 ratio of each framework's fastest setting (against its target: SmolLM2 3x TRL in
 bfloat16 and 1.5x in float32, the tiny workload 2x), and a hardware limit for the same
 work: FLOPs per step (see `step_flops`) over the measured matmul rate of this machine at the
-same thread count, in the run's precision.
+same thread count, in the run's precision; and the limit of the same step with each prompt
+computed once per group (`shared_*`), the work the native decoder's prefill and
+`model.share_prompts` do.
 
 TRL runs in its own virtual environment (default ~/.cache/dagrl-bench/trl-venv), created on
 first use with torch pinned to 2.13.0, so installing it never touches this environment.

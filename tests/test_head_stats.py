@@ -92,3 +92,26 @@ def test_an_empty_chunk_still_backpropagates():
     assert out.shape == (0, 3)
     out.sum().backward()
     assert weight.grad is not None and weight.grad.abs().sum() == 0
+
+
+def test_kept_scratch_tensors_of_other_sizes_do_not_change_the_results():
+    # The workspace keeps the largest tensors asked for and serves smaller views of them; a
+    # release drops them. Calls of different sizes in any order give the same numbers.
+    from dagrl.engines.head_stats import release_workspace
+
+    def stats(n):
+        hidden, weight, b, targets = _inputs(n=n)
+        out = head_token_stats(hidden, weight, b, targets, 0.7, with_entropy=True,
+                               chunk_tokens=16)
+        out[:, 0].sum().backward()
+        return out.detach(), hidden.grad, weight.grad
+
+    release_workspace()
+    first = stats(37)
+    stats(5)
+    stats(60)
+    again = stats(37)
+    release_workspace()
+    fresh = stats(37)
+    for a, b, c in zip(first, again, fresh, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)

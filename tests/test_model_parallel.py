@@ -16,10 +16,12 @@ from tests.dist_helpers import run_distributed
 
 def _inputs(padded: bool):
     """4 rows; `padded`: left-padded prompts and short responses (the masked path), else every
-    row whole (the causal path without a mask). 11 columns: odd, so SP pads the sequence."""
+    row whole (the causal path without a mask). 11 columns: odd, so SP pads the sequence.
+    Rows 2 and 3 have one prompt (a group, for model.share_prompts)."""
     g = torch.Generator().manual_seed(0)
     batch, p, r = 4, 6, 5
     prompt_ids = torch.randint(4, 48, (batch, p), generator=g)
+    prompt_ids[3] = prompt_ids[2]
     responses = torch.randint(4, 48, (batch, r), generator=g)
     prompt_mask = torch.ones(batch, p, dtype=torch.long)
     response_mask = torch.ones(batch, r)
@@ -35,8 +37,9 @@ def _full(t: torch.Tensor) -> np.ndarray:
     return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().numpy().copy()
 
 
-def _passes(rank, world, model_dir, tp, sp):
-    """Log-probs (+ entropy, Σπ²) and values with their gradients, in every input layout."""
+def _passes(rank, world, model_dir, tp, sp, share=False):
+    """Log-probs (+ entropy, Σπ²) and values with their gradients, in every input layout
+    (`share`: the shared-prompt one too; sequence parallelism refuses it)."""
     from dagrl.engines.critic import load_value_model
     from dagrl.engines.forward import response_logprobs, response_values
     from dagrl.engines.mesh import build_train_mesh, parallelize_model
@@ -45,21 +48,22 @@ def _passes(rank, world, model_dir, tp, sp):
     mesh = build_train_mesh(world, tp, sp, "cpu")
     out = {}
     for padded in (True, False):
-        for pack in (False, True):
+        for pack, shared in ((False, False), (True, False), (False, True))[:3 if share else 2]:
             model = parallelize_model(load_model(model_dir), mesh)
             res = response_logprobs(model, *_inputs(padded), temperature=0.7, with_entropy=True,
-                                    chunk_tokens=4, pack=pack, with_sum_pi_squared=True)
+                                    chunk_tokens=4, pack=pack, with_sum_pi_squared=True,
+                                    share_prompts=shared)
             loss = (1.3 * res.logprobs + 0.1 * res.entropy + res.sum_pi_squared).sum()
             # The engines' scaling: FSDP averages over dp x sp ranks (train_engine.py).
             (loss * max(mesh.fsdp_size, 1)).backward()
-            key = f"padded={padded},pack={pack}"
+            key = f"padded={padded},pack={pack},shared={shared}"
             out[key] = {"logprobs": _full(res.logprobs), "entropy": _full(res.entropy),
                         "sum_sq": _full(res.sum_pi_squared),
                         **{n: _full(p.grad) for n, p in model.named_parameters()}}
             torch.manual_seed(0)   # the value head is new: the same draw on every process
             critic = parallelize_model(load_value_model(model_dir, "float32", torch.device("cpu")),
                                        mesh)
-            values = response_values(critic, *_inputs(padded), pack=pack)
+            values = response_values(critic, *_inputs(padded), pack=pack, share_prompts=shared)
             (values.square().sum() * max(mesh.fsdp_size, 1)).backward()
             out["values " + key] = {"values": _full(values), **{
                 n: _full(p.grad) for n, p in critic.named_parameters()}}
@@ -84,8 +88,16 @@ def _assert_match(reference: dict, per_rank: list[dict]) -> None:
 def test_parallel_model_matches_one_process(tiny_model_dir, tp, sp):
     # tiny-qwen2: 2 query heads sharing 1 KV head, so TP=2 replicates the KV head and SP=2
     # repeats it; the vocabulary (48) splits over the TP ranks.
-    reference = _passes(0, 1, str(tiny_model_dir), 1, 1)
-    _assert_match(reference, run_distributed(_passes, 2, str(tiny_model_dir), tp, sp))
+    # The shared-prompt layout under TP against the padded one on one process too.
+    share = sp == 1
+    reference = _passes(0, 1, str(tiny_model_dir), 1, 1, share)
+    _assert_match(reference, run_distributed(_passes, 2, str(tiny_model_dir), tp, sp, share))
+    if share:
+        for padded in (True, False):
+            for kind in ("", "values "):
+                plain = reference[f"{kind}padded={padded},pack=False,shared=False"]
+                shared = reference[f"{kind}padded={padded},pack=False,shared=True"]
+                _assert_match({"case": plain}, [{"case": shared}])
 
 
 @pytest.mark.slow

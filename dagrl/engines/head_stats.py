@@ -13,7 +13,7 @@ the activation checkpointing this replaces) runs them all again in backward, the
 for their gradients, each pass a fresh tensor of tens of MiB. Here the forward keeps three [n]
 vectors; the backward recomputes the logits once and turns them into the gradient in place,
 in scratch tensors kept between calls (`_Workspace`). SmolLM2's head over 768 tokens in
-bfloat16, forward and backward: 1.4-1.5 s through autograd, 0.42 s here (scripts/head_probe.py,
+bfloat16, forward and backward: 1.39 s through autograd, 0.41 s here (scripts/head_probe.py,
 docs/performance.md).
 
 At most one chunk's [chunk, V] logits, their float32 copy and probabilities are alive, as
@@ -29,18 +29,22 @@ import torch
 
 
 class _Workspace(threading.local):
-    """Scratch tensors of the head passes, kept from call to call (one set per thread). A
-    chunk's [n, V] tensors are tens of MiB: allocated afresh each time they come from a new
-    mapping whose pages the kernel faults in and zeroes, which cost SmolLM2's bfloat16 update
-    about as much as the arithmetic on them (dagrl maps blocks that large on their own:
-    engines/host_memory.py). Kept, they cost their size once, and they are at most one chunk's
-    logits, its float32 copy and probabilities, and a weight-sized cast and gradient."""
+    """Scratch tensors of the head passes on the host, kept from call to call (one set per
+    thread). A chunk's [n, V] tensors are tens of MiB: allocated afresh each time they come
+    from a new mapping whose pages the kernel faults in and zeroes, which cost SmolLM2's
+    bfloat16 update about as much as the arithmetic on them (dagrl maps blocks that large on
+    their own: engines/host_memory.py). Kept, they cost their size once: one chunk's logits,
+    its float32 copy and probabilities, and a weight-sized cast and gradient. The worker drops
+    them between nodes with trainer.trim_host_memory (`release_workspace`). Accelerator tensors
+    are not kept: their caching allocators reuse blocks already."""
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
 
     def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor,
             dtype: torch.dtype) -> torch.Tensor:
+        if like.device.type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=like.device)
         size = math.prod(shape)
         kept = self.tensors.get(name)
         if kept is None or kept.dtype != dtype or kept.device != like.device \
@@ -50,6 +54,11 @@ class _Workspace(threading.local):
 
 
 _WORKSPACE = _Workspace()
+
+
+def release_workspace() -> None:
+    """Drop this thread's kept scratch tensors (the next head pass allocates them again)."""
+    _WORKSPACE.tensors.clear()
 
 
 def _cast(name: str, t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -50,6 +50,7 @@ from dagrl.engines.checkpointing_choice import (
     peak_and_room,
     with_checkpointing,
 )
+from dagrl.engines.head_stats import release_workspace
 from dagrl.engines.host_memory import release_freed_memory
 from dagrl.engines.layout import EngineLayout
 from dagrl.engines.memory_estimate import (
@@ -410,6 +411,7 @@ class Worker(CheckpointedWorker):
                                             step_metrics=metrics)
                     batch = ROLES.get(task.role).fn(ctx, batch)
                 if task.kind == "node" and self.trim_host_memory:
+                    release_workspace()
                     release_freed_memory()
             if not task.model:   # FLOPs are counted for the main policy's model only
                 self.observer.count_flops(task, batch, sink)
