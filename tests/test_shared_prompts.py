@@ -174,33 +174,3 @@ def test_grpo_steps_are_the_same_with_shared_prompts(tmp_path, monkeypatch):
     assert len(rows_per_pass) >= 4
     assert all(samples == 4 * rows for samples, rows in rows_per_pass), rows_per_pass
 
-
-def test_long_rows_hand_over_to_sdpa_with_the_same_numbers(model_dir, monkeypatch):
-    # With autograd on, rows whose scores would pass MAX_SCORES_WITH_GRAD go through SDPA
-    # (engines/attention.py) with the tree mask: the same log-probs and gradients, in float32
-    # and under bfloat16 autocast.
-    import dagrl.engines.attention as attention
-
-    batch = _groups()
-    calls = []
-    sdpa = attention.sdpa_attention_forward
-    monkeypatch.setattr(attention, "sdpa_attention_forward",
-                        lambda *a, **k: calls.append(1) or sdpa(*a, **k))
-    results = {}
-    for limit in (attention.MAX_SCORES_WITH_GRAD, 0):
-        monkeypatch.setattr(attention, "MAX_SCORES_WITH_GRAD", limit)
-        model = load_model(model_dir)
-        out = response_logprobs(model, *batch[:4], attention_mask=batch[4],
-                                with_entropy=True, share_prompts=True)
-        out.logprobs.sum().backward()
-        results[limit] = out.logprobs, {n: p.grad.clone() for n, p in model.named_parameters()}
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            bf16 = response_logprobs(model, *batch[:4], attention_mask=batch[4],
-                                     share_prompts=True).logprobs
-        bf16.sum().backward()
-        torch.testing.assert_close(bf16, out.logprobs.detach(), atol=0.1, rtol=0.02)
-    assert calls                                       # the second round went through SDPA
-    (kept, kept_grads), (handed, handed_grads) = results.values()
-    torch.testing.assert_close(handed, kept, atol=1e-5, rtol=1e-5)
-    for name, grad in handed_grads.items():
-        torch.testing.assert_close(grad, kept_grads[name], atol=1e-5, rtol=1e-5, msg=name)

@@ -26,12 +26,6 @@ from dagrl.device import is_host
 NAME = "dagrl_grouped"
 # Materialise at most this many score elements (64 MiB in float32); longer inputs use SDPA.
 MAX_SCORES = 2**24
-# With autograd on, every layer keeps its probabilities for backward, so a pass holds this
-# times the number of layers: 2**21 (8 MiB a layer in float32) keeps the short rows of RL
-# batches here (4 x 194 tokens, 2 shared-prompt rows of 271) and sends longer ones to SDPA.
-# SmolLM2, 2 shared-prompt rows of 66 + 4 x 128 tokens: +3.5 GiB forward-and-backward peak
-# materialised, +2.6 GiB through SDPA, 0.36 and 0.35 s per sample.
-MAX_SCORES_WITH_GRAD = 2**21
 CHOICES = ("auto", "sdpa", "eager", NAME)
 
 
@@ -45,9 +39,7 @@ def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     batch, n_heads, q_len, head_dim = query.shape
     n_kv, kv_len = key.shape[1], key.shape[2]
     unsupported = dropout > 0 or kwargs.get("s_aux") is not None or kwargs.get("softcap")
-    limit = MAX_SCORES_WITH_GRAD if torch.is_grad_enabled() and query.requires_grad \
-        else MAX_SCORES
-    if unsupported or batch * n_heads * q_len * kv_len > limit:
+    if unsupported or batch * n_heads * q_len * kv_len > MAX_SCORES:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
     groups = n_heads // n_kv
