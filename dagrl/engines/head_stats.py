@@ -19,6 +19,7 @@ docs/performance.md).
 At most one chunk's [chunk, V] logits, their float32 copy and probabilities are alive, as
 under checkpointing.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,6 +27,8 @@ import threading
 from collections.abc import Sequence
 
 import torch
+
+from dagrl.device import is_host
 
 
 class _Workspace(threading.local):
@@ -43,7 +46,7 @@ class _Workspace(threading.local):
 
     def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor,
             dtype: torch.dtype) -> torch.Tensor:
-        if like.device.type != "cpu":
+        if not is_host(like):
             return torch.empty(shape, dtype=dtype, device=like.device)
         size = math.prod(shape)
         kept = self.tensors.get(name)
