@@ -139,10 +139,13 @@ def test_share_prompts_is_refused_with_image_models_and_sequence_parallelism():
     assert EngineLayout.of(load_cli_config(["model.share_prompts=true"]), 1).share_prompts
 
 
-def test_grpo_steps_are_the_same_with_shared_prompts(tmp_path, monkeypatch):
+@pytest.mark.parametrize("extra", [[], ["actor.lora.rank=4", "actor.lr=1e-3"]],
+                         ids=["full", "lora"])
+def test_grpo_steps_are_the_same_with_shared_prompts(tmp_path, monkeypatch, extra):
     # Two GRPO steps with a KL loss (so the reference pass runs too), groups of 4: the update's
     # loss, entropy and gradient norm, the KL and the next step's rewards agree with the padded
-    # layout's, and the shared run's passes did run one row per group.
+    # layout's, and the shared run's passes did run one row per group; under LoRA too (the
+    # reference is the actor with its adapters off).
     import dagrl.engines.forward as forward
     from dagrl.runtime.run_dir import prepare_run
     from dagrl.runtime.worker import Worker
@@ -161,7 +164,8 @@ def test_grpo_steps_are_the_same_with_shared_prompts(tmp_path, monkeypatch):
                                "rollout.backend=native", "rollout.n=4",
                                "algorithm.kl_loss_coef=0.01", "trainer.torch_threads=1",
                                f"model.share_prompts={str(share).lower()}",
-                               "logging.progress_bar=false", "logging.console_every=1000"])
+                               "logging.progress_bar=false", "logging.console_every=1000",
+                               *extra])
         return Worker(prepare_run(cfg)).train()
 
     padded, shared = run(False), run(True)

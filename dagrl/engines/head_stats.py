@@ -143,7 +143,7 @@ class _HeadTokenStats(torch.autograd.Function):
         grads = (g_logp, g_entropy if ctx.with_entropy else None,
                  g_sum_sq if ctx.with_sum_sq else None)
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
-        grad_hidden = torch.zeros_like(hidden) if want_h else None
+        grad_hidden = torch.empty_like(hidden) if want_h else None   # every row is written
         grad_weight = grad_bias = None
         with torch.autocast(hidden.device.type, enabled=False):
             w, b = _cast("weight", weight, dtype), _cast("bias", bias, dtype)

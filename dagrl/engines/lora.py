@@ -209,6 +209,10 @@ class ReferenceView:
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.peft_model.get_output_embeddings()
 
+    def get_input_embeddings(self) -> torch.nn.Module:
+        """(The dtype of a shared-prompt pass's attention mask, engines/forward.py.)"""
+        return self.peft_model.get_input_embeddings()
+
     @property
     def config(self):
         """The model's config (an image-text model's image tokens, data/vision.py)."""
