@@ -73,6 +73,7 @@ def test_two_workers_write_one_merged_trace(tmp_path):
     for node in NODES:
         assert step[f"timing/{node}_spread_s"] >= 0 and f"timing/{node}_min_s" not in step
         assert step[f"memory/{node}_host_gb"] > 0
+        assert step[f"memory/{node}_host_peak_gb"] >= step[f"memory/{node}_host_gb"]
     assert step["timing/reshard_reward_spread_s"] >= 0
     assert step["perf/tflops_per_device"] > 0 and "perf/mfu" not in step   # CPU: no known peak
 
@@ -142,8 +143,29 @@ def test_nested_task_peak_counts_towards_the_enclosing_task(monkeypatch):
     m = memory.NodeMemory(torch.device("cuda"))
     m.start()
     m.start()
-    assert m.stop()[1] == 50
-    assert m.stop()[1] == 100         # max(100 before the nested reset, 50, 70 after)
+    assert m.stop()[2] == 50
+    assert m.stop()[2] == 100         # max(100 before the nested reset, 50, 70 after)
+
+
+def test_host_peak_sampler_sees_a_short_lived_allocation_inside_its_task():
+    import time
+
+    from dagrl.observe.memory import HostPeakSampler, host_rss_bytes
+
+    sampler = HostPeakSampler(every_s=0.001)
+    sampler.start()                   # outer task
+    sampler.start()                   # inner task: 256 MiB touched, held 0.2 s, freed
+    before = host_rss_bytes()
+    block = bytearray(256 * 2**20)
+    time.sleep(0.2)
+    del block
+    inner = sampler.stop()
+    outer = sampler.stop()
+    assert inner - before > 200 * 2**20          # seen while held, gone by the end
+    assert host_rss_bytes() - before < 100 * 2**20
+    assert outer >= inner                         # the nested peak counts for the outer task
+    sampler.start()                               # a later task starts from its own RSS
+    assert sampler.stop() - before < 100 * 2**20
 
 
 def test_a_task_inside_a_recorded_task_is_a_nested_span(tmp_path):

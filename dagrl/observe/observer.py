@@ -4,6 +4,7 @@ Per task (node, reshard or balance; `<name>` is the node id, or `reshard_<id>` /
   timing/<name>_s          slowest rank's time (max over ranks)
   timing/<name>_spread_s   straggler spread: slowest minus fastest rank
   memory/<name>_host_gb    host RSS after the task (max over ranks)
+  memory/<name>_host_peak_gb  host RSS peak during the task, sampled (max over ranks)
   memory/<name>_device_gb  device peak during the task (max over ranks; not on the CPU)
 Per step:
   memory/host_peak_gb, memory/device_peak_gb        process peaks (max over ranks)
@@ -64,11 +65,12 @@ class StepObserver:
         with self.profiler.task(step, task):
             yield
         seconds = time.perf_counter() - start
-        host, device = self.memory.stop()
+        host, host_peak, device = self.memory.stop()
         # Both extremes over ranks: the max is the node's time, max - min its straggler spread.
         metrics.add_max(f"timing/{name}_s", seconds)
         metrics.add_min(f"timing/{name}_min_s", seconds)
         metrics.add_max(f"memory/{name}_host_gb", host / GB)
+        metrics.add_max(f"memory/{name}_host_peak_gb", host_peak / GB)
         metrics.add_max("memory/host_peak_gb", host_peak_bytes() / GB)
         if device is not None:
             metrics.add_max(f"memory/{name}_device_gb", device / GB)
