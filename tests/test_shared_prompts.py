@@ -127,6 +127,33 @@ def test_shared_prompt_values_and_batched_log_probs_equal_padded(model_dir):
         torch.testing.assert_close(cut, plain, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("budget", [15, 30, 1000])
+def test_a_token_budget_counts_each_prompt_once_and_keeps_groups_whole(model_dir, budget):
+    from dagrl.data.batch import Batch
+    from dagrl.engines.micro_batches import micro_batches
+
+    prompt_ids, prompt_mask, responses, scored, attention = _groups()
+    batch = Batch(tensors={"prompt_ids": prompt_ids, "prompt_mask": prompt_mask,
+                           "responses": responses, "response_mask": scored,
+                           "response_attention_mask": attention}, batch_size=7)
+    # Groups: prompt 0 (6 tokens) rows 0, 2, 5 reading 7 + 0 + 1 -> 14 shared tokens; prompt 1
+    # (9) rows 1, 3, 6 reading 2 + 4 + 6 -> 21; prompt 2 (4) row 4 reading 5 -> 9.
+    parts = micro_batches(batch, micro_batch_size=2, max_tokens=budget, share_prompts=True)
+    cut = [sorted(idx.tolist()) for idx, _ in parts]
+    assert cut == {1000: [[0, 1, 2, 3, 4, 5, 6]],
+                   30: [[1, 3, 6], [0, 2, 4, 5]],            # largest first, then 14 + 9
+                   15: [[1, 3], [6], [0, 2, 5], [4]]}[budget]  # prompt 1's group over 15: cut
+    for idx, _ in parts:
+        prompts = {tuple(prompt_ids[b][prompt_mask[b].bool()].tolist()) for b in idx.tolist()}
+        tokens = sum(map(len, prompts)) + int(attention[idx].sum())
+        assert tokens <= budget
+    plain = batch_logprobs(load_model(model_dir), batch, micro_batch_size=7,
+                           temperature=1.0)
+    shared = batch_logprobs(load_model(model_dir), batch, micro_batch_size=2, temperature=1.0,
+                            max_tokens=budget, share_prompts=True)
+    torch.testing.assert_close(shared, plain, atol=1e-5, rtol=1e-5)
+
+
 def test_share_prompts_is_refused_with_image_models_and_sequence_parallelism():
     images = load_cli_config(["model.path=builtin:tiny-qwen2.5-vl", "model.share_prompts=true"])
     with pytest.raises(ConfigError, match="model.share_prompts=true: builtin:tiny-qwen2.5-vl is "

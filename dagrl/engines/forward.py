@@ -332,7 +332,7 @@ def batch_logprob_stats(model: torch.nn.Module, batch: Batch, *, micro_batch_siz
     -> ([N, R], [N, R] or None) in batch order."""
     out = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
     sum_sq = torch.zeros_like(out) if with_sum_pi_squared else None
-    for idx, mb in micro_batches(batch, micro_batch_size, max_tokens):
+    for idx, mb in micro_batches(batch, micro_batch_size, max_tokens, share_prompts):
         if len(mb):
             res = response_logprobs(
                 model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],
@@ -351,7 +351,7 @@ def batch_values(model: torch.nn.Module, batch: Batch, *, micro_batch_size: int,
                  share_prompts: bool = False) -> torch.Tensor:
     """Forward-only values for a whole batch, in micro-batches: -> [N, R] in batch order."""
     out = torch.zeros_like(batch["response_mask"], dtype=torch.float32)
-    for idx, mb in micro_batches(batch, micro_batch_size, max_tokens):
+    for idx, mb in micro_batches(batch, micro_batch_size, max_tokens, share_prompts):
         if len(mb):
             out[idx.to(out.device)] = response_values(
                 model, mb["prompt_ids"], mb["prompt_mask"], mb["responses"], mb["response_mask"],

@@ -5,7 +5,13 @@
   length, longest first, then cut into runs whose real tokens (prompt + response, no padding)
   sum to at most the budget; a sample longer than the budget goes alone. The sort also puts
   samples of similar length together, so the padded layout carries little padding; with
-  `model.pack_sequences` there is none at all.
+  `model.pack_sequences` there is none at all;
+- by tokens with `model.share_prompts`: the budget counts the tokens the shared-prompt layout
+  runs (engines/shared_prompts.py), each distinct prompt once and every response after it, and
+  a prompt's samples stay in one micro-batch, so its prompt is computed once. Groups are packed
+  largest first; a group over the budget is cut into runs of its samples, each with the prompt.
+  This bounds the update's activations by the tokens actually run: a step of long responses
+  gets more micro-batches, a step of short ones fewer.
 
 Every micro-batch comes with the positions of its samples in the batch, so per-sample outputs
 go back in batch order, and the update's loss (each micro-batch divided by the mini-batch's
@@ -17,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from dagrl.data.batch import Batch, response_attention
+from dagrl.engines.shared_prompts import distinct_prompts
 
 
 def sample_tokens(batch: Batch) -> torch.Tensor:
@@ -24,8 +31,8 @@ def sample_tokens(batch: Batch) -> torch.Tensor:
     return batch["prompt_mask"].sum(1) + response_attention(batch).sum(1)
 
 
-def micro_batches(batch: Batch, micro_batch_size: int,
-                  max_tokens: int = 0) -> list[tuple[torch.Tensor, Batch]]:
+def micro_batches(batch: Batch, micro_batch_size: int, max_tokens: int = 0,
+                  share_prompts: bool = False) -> list[tuple[torch.Tensor, Batch]]:
     """[(positions in `batch` [n], micro-batch of those n samples)], covering every sample once."""
     if max_tokens <= 0:
         out, start = [], 0
@@ -33,15 +40,42 @@ def micro_batches(batch: Batch, micro_batch_size: int,
             out.append((torch.arange(start, start + len(part)), part))
             start += len(part)
         return out
-    tokens = sample_tokens(batch).cpu()
-    order = torch.argsort(tokens, descending=True, stable=True)
-    groups: list[list[int]] = []
+    units = _prompt_groups(batch, max_tokens) if share_prompts else _samples(batch)
+    units.sort(key=lambda unit: unit[0], reverse=True)      # stable: ties keep batch order
+    cut: list[list[int]] = []
     total = 0
-    for i in order.tolist():
-        t = int(tokens[i])
-        if not groups or total + t > max_tokens:
-            groups.append([])
+    for tokens, samples in units:
+        if not cut or total + tokens > max_tokens:
+            cut.append([])
             total = 0
-        groups[-1].append(i)
-        total += t
-    return [(torch.tensor(g), batch.select(g)) for g in groups]
+        cut[-1].extend(samples)
+        total += tokens
+    return [(torch.tensor(samples), batch.select(samples)) for samples in cut]
+
+
+def _samples(batch: Batch) -> list[tuple[int, list[int]]]:
+    """(real tokens, [sample]) per sample."""
+    return [(int(t), [i]) for i, t in enumerate(sample_tokens(batch).cpu().tolist())]
+
+
+def _prompt_groups(batch: Batch, max_tokens: int) -> list[tuple[int, list[int]]]:
+    """(shared-layout tokens, samples) per distinct prompt: the prompt once plus every sample's
+    response tokens; a group over `max_tokens` is cut into runs of its samples that fit (each
+    run computes the prompt again), a sample alone being the smallest run."""
+    prompts, row_prompt = distinct_prompts(batch["prompt_ids"].cpu(), batch["prompt_mask"].cpu())
+    responses = response_attention(batch).sum(1).cpu().tolist()
+    members: list[list[int]] = [[] for _ in prompts]
+    for i, g in enumerate(row_prompt):
+        members[g].append(i)
+    units = []
+    for prompt, samples in zip(prompts, members, strict=True):
+        tokens = len(prompt)
+        run: list[int] = []
+        for i in samples:
+            if run and tokens + responses[i] > max_tokens:
+                units.append((tokens, run))
+                tokens, run = len(prompt), []
+            run.append(i)
+            tokens += int(responses[i])
+        units.append((tokens, run))
+    return units

@@ -123,7 +123,8 @@ class TrainEngine(ABC):
                                                self.dp_group, self.device)
                           for mode in self.agg_modes}
                 reported = 0.0
-                for _, micro in micro_batches(mini, self.micro_batch_size, self.max_tokens):
+                for _, micro in micro_batches(mini, self.micro_batch_size, self.max_tokens,
+                                                  self.share_prompts):
                     loss, shown = self.micro_loss(micro, denoms, metrics)
                     (loss * self.grad_scale).backward()
                     reported += float(shown.detach())
