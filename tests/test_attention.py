@@ -76,6 +76,70 @@ def test_grouped_attention_heads_share_kv_in_order():
     torch.testing.assert_close(got, want.transpose(1, 2))
 
 
+def _textbook(q, k, v, mask, scale):
+    """softmax(Q K^T * scale + mask) V through autograd, KV heads repeated (nh / nkv)."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if mask is not None:
+        scores = scores + mask
+    probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), -1)
+    return (probs.to(v.dtype) @ v).transpose(1, 2)
+
+
+def _inputs(length: int = 7, dtype: torch.dtype = torch.float32):
+    """q [2, 6, T, 16], k/v [2, 3, T, 16] and an additive causal mask with left padding: batch
+    row 1's first two query rows see nothing (all masked), as a padded row's do."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(*shape, generator=g, dtype=dtype).requires_grad_(True)
+               for shape in ((2, 6, length, 16), (2, 3, length, 16), (2, 3, length, 16)))
+    allowed = torch.ones(length, length, dtype=torch.bool).tril().repeat(2, 1, 1, 1)
+    allowed[1, :, :, :2] = False
+    mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("precision", ["float32", "autocast", "float64"])
+def test_grouped_attention_gradients_match_autograd(precision):
+    """The recomputing backward gives autograd's gradients of the textbook ops: float32,
+    bfloat16 autocast with float32 inputs (a mixed-precision update), and float64 (the
+    golden-curve runs; its mask's minimum is -inf in float32, so the softmax stays float64)."""
+    autocast = precision == "autocast"
+    dtype = torch.float64 if precision == "float64" else torch.float32
+    results = {}
+    weights = torch.randn(2, 7, 6, 16, generator=torch.Generator().manual_seed(9), dtype=dtype)
+    for name in ("textbook", "grouped"):
+        q, k, v, mask = _inputs(dtype=dtype)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = (_textbook(q, k, v, mask, 0.25) if name == "textbook" else
+                   grouped_attention(None, q, k, v, mask, scaling=0.25)[0])
+        (out.to(dtype) * weights)[:, 2:].sum().backward()    # padded query rows unread
+        results[name] = out.to(dtype), q.grad, k.grad, v.grad
+    tol = dict(atol=3e-2, rtol=3e-2) if autocast else dict(atol=1e-5, rtol=1e-5)
+    (want, *want_grads), (got, *got_grads) = results["textbook"], results["grouped"]
+    torch.testing.assert_close(got[:, 2:], want[:, 2:], **tol)
+    assert torch.isfinite(got).all()
+    for name, a, b in zip("qkv", got_grads, want_grads, strict=True):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a, b, **tol, msg=name)
+
+
+def test_grouped_attention_keeps_no_scores_for_backward():
+    """Only Q, K, V and the mask are saved: nothing of [T, S] per head."""
+    q, k, v, mask = _inputs(length=80)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t,
+                                                  lambda t: t):
+        grouped_attention(None, q, k, v, mask)
+    scores = 2 * 6 * 80 * 80                     # batch x heads x T x S
+    # Q is a fifth of that, the mask a sixth (one for all heads).
+    assert saved and all(s.numel() <= scores // 5 for s in saved), saved
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.shape) or t,
+                                                  lambda t: t):
+        _textbook(q, k, v, mask, 0.25)
+    assert any(s.numel() >= scores for s in saved)      # the check can fail
+
+
 def test_resolve_attn_implementation():
     assert resolve_attn_implementation("auto", "cpu") == NAME
     assert resolve_attn_implementation("auto", torch.device("meta")) == "sdpa"

@@ -7,8 +7,16 @@ Query heads that share a KV head (GQA) are folded into the query axis, [B, nkv, 
 the keys and values are never repeated (HF's `eager` copies them nh/nkv times), and no dropout
 op runs. For RL batches of short sequences this is faster than SDPA's CPU kernel, whose fixed
 cost per call dominates there: the e2e benchmark's update (64 x 39 tokens, 4 layers) takes
-150 -> 139 ms forward and backward, 139 -> 122 ms with compiled layers. Above
-`MAX_SCORES` elements of scores it hands over to SDPA, which never materialises them.
+150 -> 139 ms forward and backward, 139 -> 122 ms with compiled layers. Above `MAX_SCORES`
+elements of scores it hands over to SDPA, which never materialises them.
+
+Backward keeps only Q, K and V (and the mask, one for all layers) and recomputes the
+probabilities, as flash attention does. Autograd through the textbook ops would keep the [T, S]
+probabilities of every head and layer until backward, in float32 and again in bfloat16 under
+autocast: half of the update's activations on SmolLM2 (a shared-prompt row of 572 tokens: 505
+of 1006 MiB in bfloat16, 337 of 1070 MiB in float32). The recompute costs one [T, S] matmul and
+softmax per layer in backward; the forward's in-place softmax input pays for it (one such row,
+float32, 2 threads: forward and backward of the model as fast as before).
 
 `resolve_attn_implementation("auto", device)` picks it on CPU and SDPA elsewhere (GPU kernels
 are fused and fast there).
@@ -42,17 +50,73 @@ def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if unsupported or batch * n_heads * q_len * kv_len > MAX_SCORES:
         return sdpa_attention_forward(module, query, key, value, attention_mask,
                                       scaling=scaling, dropout=dropout, **kwargs)
-    groups = n_heads // n_kv
     scale = head_dim ** -0.5 if scaling is None else scaling
     # Heads h = j * groups + i share KV head j: adjacent, so a reshape folds them.
-    q = query.reshape(batch, n_kv, groups * q_len, head_dim)
-    scores = torch.matmul(q, key.transpose(-1, -2)).view(batch, n_kv, groups, q_len, kv_len)
-    scores = scores * scale
-    if attention_mask is not None:
-        scores = scores + attention_mask[:, :, None]       # [B, 1, 1, T, S] over the groups
-    probs = scores.softmax(-1).view(batch, n_kv, groups * q_len, kv_len)
-    out = torch.matmul(probs, value)                        # [B, nkv, g*T, hd]
+    q = query.reshape(batch, n_kv, n_heads // n_kv * q_len, head_dim)
+    out = _GroupedSoftmaxAttention.apply(q, key, value, attention_mask, scale)
     return out.view(batch, n_heads, q_len, head_dim).transpose(1, 2), None
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    """The matmuls' dtype: autocast's where it is on (as autograd through matmul would use),
+    else the input's."""
+    device = t.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
+
+
+def _scores(q: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
+            scale: float) -> torch.Tensor:
+    """Q K^T * scale + mask in float32 (float64 for a float64 model): [B, nkv, g*T, S] (mask
+    [B, 1, T, S], additive, the same for the g query heads of a KV head)."""
+    scores = torch.matmul(q, key.transpose(-1, -2))
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).mul_(scale)
+    if mask is not None:
+        batch, n_kv, rows, kv_len = scores.shape
+        q_len = mask.shape[-2]
+        scores.view(batch, n_kv, rows // q_len, q_len, kv_len).add_(mask[:, :, None])
+    return scores
+
+
+class _GroupedSoftmaxAttention(torch.autograd.Function):
+    """out = softmax(Q K^T * scale + mask) V on folded heads: q [B, nkv, g*T, hd], key/value
+    [B, nkv, S, hd], mask [B, 1, T, S] additive or None. The softmax runs in float32 (or
+    float64), the two matmuls in the compute dtype (autocast's, or the inputs').
+
+    Backward, with P the probabilities recomputed from the saved Q, K and mask:
+        dV = P^T dO;   dP = dO V^T;   dS = P * (dP - rowsum(P * dP));
+        dQ = dS K * scale;   dK = dS^T Q * scale."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        dtype = _compute_dtype(q)
+        with torch.autocast(q.device.type, enabled=False):
+            qc, kc, vc = q.to(dtype), key.to(dtype), value.to(dtype)
+            probs = torch.softmax(_scores(qc, kc, mask, scale), -1)
+            out = torch.matmul(probs.to(dtype), vc)
+        ctx.save_for_backward(qc, kc, vc, mask)
+        ctx.scale, ctx.dtypes = scale, (q.dtype, key.dtype, value.dtype)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, d_out: torch.Tensor):
+        q, key, value, mask = ctx.saved_tensors
+        with torch.autocast(q.device.type, enabled=False):
+            dtype = q.dtype
+            # softmax's own kernel, not exp(scores - max) / sum from saved statistics: the
+            # masked scores (the dtype's minimum) and far-below-max ones send a plain exp down
+            # a slow path (zeros and denormals), 6-20x slower on CPU.
+            probs = torch.softmax(_scores(q, key, mask, ctx.scale), -1)
+            d_out = d_out.to(dtype)
+            d_value = torch.matmul(probs.to(dtype).transpose(-1, -2), d_out)
+            d_probs = torch.matmul(d_out, value.transpose(-1, -2)).to(probs.dtype)
+            d_scores = d_probs.sub_((probs * d_probs).sum(-1, keepdim=True)).mul_(probs)
+            d_scores = d_scores.mul_(ctx.scale).to(dtype)
+            d_q = torch.matmul(d_scores, key)
+            d_key = torch.matmul(d_scores.transpose(-1, -2), q)
+        q_dtype, k_dtype, v_dtype = ctx.dtypes
+        return d_q.to(q_dtype), d_key.to(k_dtype), d_value.to(v_dtype), None, None
 
 
 AttentionInterface.register(NAME, grouped_attention)
