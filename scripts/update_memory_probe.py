@@ -98,7 +98,7 @@ def main() -> None:
         sampler, before = HostPeakSampler(every_s=0.002), host_rss_bytes()
         sampler.start()
         step(saved)
-        peak = sampler.stop()
+        _, peak = sampler.stop()
         print(f"  {name:10s} kept for backward {sum(saved.values()) / MiB:7.0f} MiB, "
               f"forward + backward +{(peak - before) / GiB:.2f} GiB RSS")
     AttentionInterface.register(attention.NAME, attention.grouped_attention)

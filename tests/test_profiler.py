@@ -159,13 +159,13 @@ def test_host_peak_sampler_sees_a_short_lived_allocation_inside_its_task():
     block = bytearray(256 * 2**20)
     time.sleep(0.2)
     del block
-    inner = sampler.stop()
-    outer = sampler.stop()
+    inner = sampler.stop()[1]
+    outer = sampler.stop()[1]
     assert inner - before > 200 * 2**20          # seen while held, gone by the end
     assert host_rss_bytes() - before < 100 * 2**20
     assert outer >= inner                         # the nested peak counts for the outer task
     sampler.start()                               # a later task starts from its own RSS
-    assert sampler.stop() - before < 100 * 2**20
+    assert sampler.stop()[1] - before < 100 * 2**20
 
 
 def test_a_task_inside_a_recorded_task_is_a_nested_span(tmp_path):

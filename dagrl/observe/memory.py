@@ -63,8 +63,8 @@ class HostPeakSampler:
             self._thread.start()
         self._busy.set()
 
-    def stop(self) -> int:
-        """The task's peak RSS in bytes (its end included)."""
+    def stop(self) -> tuple[int, int]:
+        """(the RSS now, the task's peak RSS, its end included) in bytes."""
         now = host_rss_bytes()
         with self._lock:
             peak = max(self._peaks.pop(), now)
@@ -72,7 +72,7 @@ class HostPeakSampler:
                 self._peaks[-1] = max(self._peaks[-1], peak)
             else:
                 self._busy.clear()
-        return peak
+        return now, peak
 
     def _sample(self) -> None:
         while True:
@@ -103,11 +103,11 @@ class NodeMemory:
         self.host.start()
 
     def stop(self) -> tuple[int, int, int | None]:
-        host_peak = self.host.stop()
+        host, host_peak = self.host.stop()
         enclosed = self._open.pop()
         peak = peak_memory_bytes(self.device)
         if peak is not None:
             peak = max(peak, enclosed)
             if self._open:
                 self._open[-1] = max(self._open[-1], peak)
-        return host_rss_bytes(), host_peak, peak
+        return host, host_peak, peak
