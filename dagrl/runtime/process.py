@@ -177,6 +177,12 @@ def torchrun_main(cfg: Config, debug: bool) -> int:
             # The group first (it writes nothing): the ranks agree through it on who reports.
             ctx = init_distributed(cfg.trainer.device,
                                    host_tensors=cfg.host_tensors_in_collectives)
+            # Gloo can return on rank 0 while rank 1 still connects its half of the mesh: a
+            # rank 0 refusing a bad input then exits under it, and rank 1's "connection closed"
+            # (raised before the group exists, so it cannot learn it was not first) printed a
+            # traceback beside the real error (seen once in CI). Every rank is in the group
+            # after this.
+            ctx.barrier()
             check_inputs(cfg)   # every rank: the same answer, before anything is written
             checked = True
             run_worker(cfg, ctx, state, take_lock=True)
