@@ -115,3 +115,21 @@ def test_kept_scratch_tensors_of_other_sizes_do_not_change_the_results():
     fresh = stats(37)
     for a, b, c in zip(first, again, fresh, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_a_float32_head_keeps_no_weight_sized_scratch():
+    # In the weight's dtype each chunk's weight gradient is added into the returned tensor
+    # (addmm_): no kept [V, H] scratch. Under autocast the bfloat16 products need one.
+    from dagrl.engines.head_stats import _WORKSPACE, release_workspace
+
+    release_workspace()
+    hidden, weight, b, targets = _inputs(n=40)
+    head_token_stats(hidden, weight, b, targets, 0.7, with_entropy=True,
+                     chunk_tokens=16)[:, 0].sum().backward()
+    assert "grad_weight" not in _WORKSPACE.tensors and weight.grad is not None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = head_token_stats(hidden, weight, b, targets, 0.7, with_entropy=True,
+                               chunk_tokens=16)
+    out[:, 0].sum().backward()
+    assert _WORKSPACE.tensors["grad_weight"].dtype == torch.bfloat16
+    release_workspace()

@@ -37,9 +37,9 @@ class _Workspace(threading.local):
     from a new mapping whose pages the kernel faults in and zeroes, which cost SmolLM2's
     bfloat16 update about as much as the arithmetic on them (dagrl maps blocks that large on
     their own: engines/host_memory.py). Kept, they cost their size once: one chunk's logits,
-    its float32 copy and probabilities, and a weight-sized cast and gradient. The worker drops
-    them between nodes with trainer.trim_host_memory (`release_workspace`). Accelerator tensors
-    are not kept: their caching allocators reuse blocks already."""
+    its float32 copy and probabilities, and (under autocast) a weight-sized cast and gradient.
+    The worker drops them between nodes with trainer.trim_host_memory (`release_workspace`).
+    Accelerator tensors are not kept: their caching allocators reuse blocks already."""
 
     def __init__(self) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
@@ -157,10 +157,8 @@ class _HeadTokenStats(torch.autograd.Function):
                 dz = _cast("dz", dz, dtype)
                 if want_h:
                     grad_hidden[rows] = dz @ w
-                if want_w:       # per chunk in the matmul's dtype, summed in the weight's
-                    part = torch.mm(dz.t(), h, out=_WORKSPACE.get(
-                        "grad_weight", tuple(w.shape), w, dtype))
-                    grad_weight = _accumulate(grad_weight, part, weight.dtype)
+                if want_w:
+                    grad_weight = _weight_grad(grad_weight, dz, h, weight.dtype)
                 if want_b and bias is not None:
                     grad_bias = _accumulate(grad_bias, dz.sum(0), bias.dtype)
         if want_w and grad_weight is None:           # no rows
@@ -168,6 +166,19 @@ class _HeadTokenStats(torch.autograd.Function):
         if want_b and bias is not None and grad_bias is None:
             grad_bias = torch.zeros_like(bias)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def _weight_grad(total: torch.Tensor | None, dz: torch.Tensor, h: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """total + dz^T h, the weight's gradient summed over chunks in the weight's `dtype`. In the
+    matmul's dtype the product goes straight into the returned tensor (no [V, H] scratch: one
+    weight-sized float32 tensor less for SmolLM2's 108 MiB head). Otherwise each chunk's
+    product goes into a kept scratch tensor in the matmul's dtype and is added in `dtype`."""
+    if dz.dtype == dtype:
+        return torch.mm(dz.t(), h) if total is None else total.addmm_(dz.t(), h)
+    part = torch.mm(dz.t(), h, out=_WORKSPACE.get("grad_weight", (dz.shape[1], h.shape[1]),
+                                                     h, dz.dtype))
+    return _accumulate(total, part, dtype)
 
 
 def _accumulate(total: torch.Tensor | None, part: torch.Tensor,
