@@ -127,7 +127,7 @@ def test_shared_prompt_values_and_batched_log_probs_equal_padded(model_dir):
         torch.testing.assert_close(cut, plain, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("budget", [15, 30, 1000])
+@pytest.mark.parametrize("budget", [15, 30, 40, 1000])
 def test_a_token_budget_counts_each_prompt_once_and_keeps_groups_whole(model_dir, budget):
     from dagrl.data.batch import Batch
     from dagrl.engines.micro_batches import micro_batches
@@ -141,12 +141,16 @@ def test_a_token_budget_counts_each_prompt_once_and_keeps_groups_whole(model_dir
     parts = micro_batches(batch, micro_batch_size=2, max_tokens=budget, share_prompts=True)
     cut = [sorted(idx.tolist()) for idx, _ in parts]
     assert cut == {1000: [[0, 1, 2, 3, 4, 5, 6]],
+                   # 21 + 14 real tokens fit 40, but as two rows padded to 21 they are 42
+                   40: [[1, 3, 6], [0, 2, 4, 5]],
                    30: [[1, 3, 6], [0, 2, 4, 5]],            # largest first, then 14 + 9
                    15: [[1, 3], [6], [0, 2, 5], [4]]}[budget]  # prompt 1's group over 15: cut
-    for idx, _ in parts:
-        prompts = {tuple(prompt_ids[b][prompt_mask[b].bool()].tolist()) for b in idx.tolist()}
-        tokens = sum(map(len, prompts)) + int(attention[idx].sum())
-        assert tokens <= budget
+    for idx, _ in parts:       # one row per prompt, padded to the longest: within the budget
+        rows: dict[tuple[int, ...], int] = {}
+        for b in idx.tolist():
+            prompt = tuple(prompt_ids[b][prompt_mask[b].bool()].tolist())
+            rows[prompt] = rows.get(prompt, len(prompt)) + int(attention[b].sum())
+        assert len(rows) * max(rows.values()) <= budget
     plain = batch_logprobs(load_model(model_dir), batch, micro_batch_size=7,
                            temperature=1.0)
     shared = batch_logprobs(load_model(model_dir), batch, micro_batch_size=2, temperature=1.0,

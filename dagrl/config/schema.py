@@ -279,8 +279,8 @@ class ActorConfig(OptimConfig):
     logits_chunk_tokens: int = 1024
     # > 0: micro-batches are cut by this budget of real tokens (prompt + response) instead of
     # micro_batch_size samples, longest samples first (verl's ppo_max_token_len_per_gpu); with
-    # model.share_prompts, the tokens the shared layout runs (each prompt once), a prompt's
-    # samples kept together.
+    # model.share_prompts, the tokens the shared layout runs (each prompt once, the rows
+    # padded to the longest), a prompt's samples kept together.
     max_tokens_per_micro_batch: int = 0
     # Keep only each decoder layer's input during the update's forward and recompute the layer
     # in backward (transformers' activation checkpointing): the saved activations shrink from

@@ -7,11 +7,14 @@
   samples of similar length together, so the padded layout carries little padding; with
   `model.pack_sequences` there is none at all;
 - by tokens with `model.share_prompts`: the budget counts the tokens the shared-prompt layout
-  runs (engines/shared_prompts.py), each distinct prompt once and every response after it, and
-  a prompt's samples stay in one micro-batch, so its prompt is computed once. Groups are packed
-  largest first; a group over the budget is cut into runs of its samples, each with the prompt.
-  This bounds the update's activations by the tokens actually run: a step of long responses
-  gets more micro-batches, a step of short ones fewer.
+  runs (engines/shared_prompts.py), and a prompt's samples stay in one micro-batch, so its
+  prompt is computed once. Each group is one row, its prompt once and every response after
+  it, and a micro-batch's rows are padded to its longest: the budget bounds rows x longest
+  row, the tokens the forward computes and keeps activations for (counting only the real
+  tokens let 3 rows of 234 through a budget of 600: 702 tokens' activations in SmolLM2's
+  learning run). Groups are packed largest first; a group over the budget is cut into runs
+  of its samples, each a row with the prompt. A step of long responses gets more
+  micro-batches, a step of short ones fewer.
 
 Every micro-batch comes with the positions of its samples in the batch, so per-sample outputs
 go back in batch order, and the update's loss (each micro-batch divided by the mini-batch's
@@ -43,13 +46,18 @@ def micro_batches(batch: Batch, micro_batch_size: int, max_tokens: int = 0,
     units = _prompt_groups(batch, max_tokens) if share_prompts else _samples(batch)
     units.sort(key=lambda unit: unit[0], reverse=True)      # stable: ties keep batch order
     cut: list[list[int]] = []
-    total = 0
+    total = rows = longest = 0
     for tokens, samples in units:
-        if not cut or total + tokens > max_tokens:
+        # Shared rows are padded to the micro-batch's longest, its first (units come longest
+        # first); samples count their real tokens (packed, or sorted into little padding).
+        cost = (rows + 1) * longest if share_prompts else total + tokens
+        if not cut or cost > max_tokens:
             cut.append([])
-            total = 0
+            total = rows = 0
+            longest = tokens
         cut[-1].extend(samples)
         total += tokens
+        rows += 1
     return [(torch.tensor(samples), batch.select(samples)) for samples in cut]
 
 
