@@ -52,8 +52,8 @@ def test_each_setting_moves_its_line():
     assert hsdp["actor weights"] == p // 2 and hsdp["AdamW state"] == 2 * (p // 2)
     ckpt = _lines("actor.activation_checkpointing=true")
     assert ckpt["activations"] < base["activations"]
-    assert _lines("actor.logits_chunk_tokens=16")["logits"] < _lines(
-        "actor.logits_chunk_tokens=1024")["logits"]
+    assert _lines("actor.logits_chunk_tokens=16")["LM head"] < _lines(
+        "actor.logits_chunk_tokens=1024")["LM head"]
     assert _lines("rollout.n=16")["KV cache"] == 2 * _lines("rollout.n=8")["KV cache"]
 
 

@@ -33,9 +33,12 @@ one worker's R rollout rows and M samples per micro-batch of S = prompt + respon
     KV cache           2 L R S n_kv d b'      (the native decoder preallocates it; the larger
                        of a training and a validation rollout)
     activations        M S H b L              (checkpointed: each layer's input; one layer's
-                       intermediates on top) or M S L (6H + 2 n_kv d + 4I) b without
-    logits             3 C V 4                 (C = logits_chunk_tokens rows of fp32 logits,
-                       their log-softmax and gradient; C = M x response tokens without chunks)
+                       intermediates on top) or M S L (8H + 2 n_kv d + 4I) b without
+                       (M S: max_tokens_per_micro_batch when set, which bounds the padded
+                       tokens of a micro-batch, engines/micro_batches.py)
+    LM head            3 C V 4 + V H b         (C = logits_chunk_tokens rows of fp32 logits,
+                       their log-softmax and gradient; C = M x response tokens without chunks;
+                       and the head weight's gradient before it is added to the kept one)
     autocast casts     2 T                     (mixed precision: the bfloat16 copies of the
                        trained weights autocast keeps during a forward; the layers'
                        intermediates then count 2 bytes)
@@ -392,8 +395,12 @@ def _transient_lines(cfg: Config, shape: ModelShape, layout: EngineLayout,
     a = cfg.actor
     head_rows = a.logits_chunk_tokens or a.micro_batch_size * r.max_new_tokens // layout.sp
     vocab = shape.vocab // layout.tp
-    lines.append(MemoryLine("logits", 3 * head_rows * vocab * 4,
-                            f"{head_rows} x {vocab} fp32, x3 in backward", "update"))
+    # Backward returns the head weight's [V, H] gradient as a tensor of its own, alive beside
+    # the micro-batch's activations until autograd adds it to the kept gradient.
+    head_grad = vocab * shape.hidden * DTYPES[layout.param_dtype].itemsize
+    lines.append(MemoryLine("LM head", 3 * head_rows * vocab * 4 + head_grad,
+                            f"{head_rows} x {vocab} fp32 logits, x3 in backward; the weight's "
+                            "gradient", "update"))
     return lines
 
 
@@ -411,10 +418,11 @@ def _activation_line(cfg: Config, shape: ModelShape, layout: EngineLayout,
     # Under autocast the matmuls' outputs (most saved intermediates) are bfloat16; the
     # residual stream, hence each checkpointed layer input, stays float32.
     ab = 2 if layout.mixed_precision != "none" else b
-    # Per token and layer: 4 hidden-size tensors stay whole under tp (layer input, the two
-    # norms' outputs, o_proj's output); q, the attention output, k, v and the MLP's 4 split.
+    # Per token and layer, what autograd keeps (counted on SmolLM2's update): 6 hidden-size
+    # tensors stay whole under tp (the two residual sums, and per RMSNorm its normalised input
+    # and its weighted output); q, the attention output, k, v and the MLP's 4 split.
     kv_split = kvd / tp if shape.kv_heads % tp == 0 else shape.head_dim
-    per_layer_token = (4 * h + (2 * h + 4 * shape.intermediate) / tp + 2 * kv_split) * ab
+    per_layer_token = (6 * h + (2 * h + 4 * shape.intermediate) / tp + 2 * kv_split) * ab
     local = tokens / sp                                   # Ulysses: this rank's tokens
     if a.activation_checkpointing:
         act = local * h * b * shape.layers + local * per_layer_token
