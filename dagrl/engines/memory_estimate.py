@@ -34,11 +34,13 @@ one worker's R rollout rows and M samples per micro-batch of S = prompt + respon
                        of a training and a validation rollout)
     activations        M S H b L              (checkpointed: each layer's input; one layer's
                        intermediates on top) or M S L (8H + 2 n_kv d + 4I) b without
-                       (M S: max_tokens_per_micro_batch when set, which bounds the padded
-                       tokens of a micro-batch, engines/micro_batches.py)
+                       (M S: max_tokens_per_micro_batch when set, the tokens a micro-batch
+                       computes with model.share_prompts, whose rows it counts padded, or
+                       pack_sequences; engines/micro_batches.py)
     LM head            3 C V 4 + V H b         (C = logits_chunk_tokens rows of fp32 logits,
                        their log-softmax and gradient; C = M x response tokens without chunks;
-                       and the head weight's gradient before it is added to the kept one)
+                       and the head weight's gradient before it is added to the kept one, plus
+                       its bfloat16 per-chunk part under mixed precision, V H 2)
     autocast casts     2 T                     (mixed precision: the bfloat16 copies of the
                        trained weights autocast keeps during a forward; the layers'
                        intermediates then count 2 bytes)
@@ -398,6 +400,8 @@ def _transient_lines(cfg: Config, shape: ModelShape, layout: EngineLayout,
     # Backward returns the head weight's [V, H] gradient as a tensor of its own, alive beside
     # the micro-batch's activations until autograd adds it to the kept gradient.
     head_grad = vocab * shape.hidden * DTYPES[layout.param_dtype].itemsize
+    if layout.mixed_precision != "none":   # each chunk's product in bfloat16 (head_stats.py)
+        head_grad += vocab * shape.hidden * 2
     lines.append(MemoryLine("LM head", 3 * head_rows * vocab * 4 + head_grad,
                             f"{head_rows} x {vocab} fp32 logits, x3 in backward; the weight's "
                             "gradient", "update"))
