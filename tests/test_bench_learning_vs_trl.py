@@ -61,6 +61,7 @@ def test_quick_run_compares_both_sides_and_resumes_each_from_its_checkpoint(tmp_
         learning.main([*args, "--steps", "6"])
 
 
+@pytest.mark.slow   # kill and recover, three bench processes (~70 s): with the slow runs
 def test_a_side_stopped_by_sigterm_records_its_segment_and_resumes(tmp_path):
     """`kill` of a long bench: the running side stops with the bench (its time and peak RSS so
     far recorded); run again, it goes on from its newest checkpoint."""
