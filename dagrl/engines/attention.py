@@ -30,6 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 from dagrl.device import is_host
+from dagrl.engines.precision import matmul_dtype
 
 NAME = "dagrl_grouped"
 # Materialise at most this many score elements (64 MiB in float32); longer inputs use SDPA.
@@ -57,13 +58,6 @@ def grouped_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return out.view(batch, n_heads, q_len, head_dim).transpose(1, 2), None
 
 
-def _compute_dtype(t: torch.Tensor) -> torch.dtype:
-    """The matmuls' dtype: autocast's where it is on (as autograd through matmul would use),
-    else the input's."""
-    device = t.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
-
-
 def _scores(q: torch.Tensor, key: torch.Tensor, mask: torch.Tensor | None,
             scale: float) -> torch.Tensor:
     """Q K^T * scale + mask in float32 (float64 for a float64 model): [B, nkv, g*T, S] (mask
@@ -89,7 +83,7 @@ class _GroupedSoftmaxAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-        dtype = _compute_dtype(q)
+        dtype = matmul_dtype(q)
         with torch.autocast(q.device.type, enabled=False):
             qc, kc, vc = q.to(dtype), key.to(dtype), value.to(dtype)
             probs = torch.softmax(_scores(qc, kc, mask, scale), -1)

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import torch
 
 from dagrl.device import is_host
+from dagrl.engines.precision import matmul_dtype
 
 
 class _Workspace(threading.local):
@@ -105,8 +106,7 @@ class _HeadTokenStats(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy, with_sum_sq,
                 removed, chunk):
         device = hidden.device.type
-        dtype = (torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device)
-                 else hidden.dtype)
+        dtype = matmul_dtype(hidden)
         n = hidden.shape[0]
         lse, logp = (hidden.new_zeros(n, dtype=torch.float32) for _ in range(2))
         # What was not asked for stays a constant 0 (no gradient goes back through it).

@@ -33,6 +33,14 @@ def autocast(mixed_precision: str, device: torch.device) -> AbstractContextManag
     return torch.autocast(device_type=device.type, dtype=DTYPES[mixed_precision])
 
 
+def matmul_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul on `t` runs in here: autocast's where it is on for `t`'s device, else
+    `t`'s own (for the custom autograd functions that turn autocast off inside and must keep
+    its choice: attention.py, head_stats.py)."""
+    device = t.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else t.dtype
+
+
 
 @torch.no_grad()
 def store_linears_in_low_precision(model: torch.nn.Module, mixed_precision: str
