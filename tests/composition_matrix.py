@@ -539,8 +539,9 @@ def _matrix_table(matrix: Matrix) -> str:
 
 def _runs(matrix: Matrix) -> str:
     out = ["## Runs", "",
-           "Every run below trains 3 steps in CI (.ci/run: `pytest -m composition` in the main "
-           "venv, `pytest -m \"vllm and composition\"` in the vLLM venv).",
+           "Every run below trains 3 steps: the vLLM venv's runs in CI (.ci/run: "
+           "`pytest -m \"vllm and composition\"`), the others in the slow tier (.ci/slow: "
+           "`pytest -m composition` in the main venv).",
            "",
            "Parity: the run equals the named 1-worker run at this relative "
            "tolerance, step by step.", "", "| run | workers | levels | parity |",

@@ -44,9 +44,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    """DAGRL_NO_SKIPS=1 (CI, .ci/run): a skipped test fails the session, naming it — every test
-    of the suite can run there (chromium renders the report, mlflow is installed, ...), so a
-    skip means a dependency went missing, not a test that may sit out."""
+    """DAGRL_NO_SKIPS=1 (CI: .ci/run and .ci/slow): a skipped test fails the session, naming
+    it — every test of the suite can run there (chromium renders the report, mlflow is
+    installed, ...), so a skip means a dependency went missing, not a test that may sit out."""
     if os.environ.get("DAGRL_NO_SKIPS") != "1" or hasattr(session.config, "workerinput"):
         return   # an xdist worker: the controller sees every worker's reports
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")

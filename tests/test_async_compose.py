@@ -24,7 +24,7 @@ from dagrl.train import load_cli_config
 from tests.dist_helpers import free_port
 from tests.test_async_runs import FAST, metrics
 
-# Minutes of runs: with the composition matrix (`pytest -m composition`, .ci/run).
+# Minutes of runs: with the composition matrix (`pytest -m composition`, .ci/slow).
 pytestmark = pytest.mark.composition
 
 ROOT = Path(__file__).parents[1]

@@ -1,4 +1,4 @@
-"""CI runs the suites with DAGRL_NO_SKIPS=1 (.ci/run): a skipped test fails the run, named
+"""CI runs the suites with DAGRL_NO_SKIPS=1 (.ci/run, .ci/slow): a skipped test fails the run, named
 (tests/conftest.py). Checked here on a probe test that skips when asked to."""
 
 from __future__ import annotations

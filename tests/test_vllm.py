@@ -274,6 +274,7 @@ def test_a_served_policy_takes_the_trained_weights(vllm_server, model_dir, promp
     assert not list(tmp_path.glob("*.safetensors*"))   # nothing left behind
 
 
+@pytest.mark.slow   # a learning curve, 30 steps through the server: ~70 s (.ci/slow)
 def test_grpo_learns_through_a_served_policy_that_takes_the_trained_weights(
         vllm_server, model_dir, tmp_path):
     """The default task through `vllm serve` (rollout.backend=server, live weights): the reward

