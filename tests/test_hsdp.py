@@ -70,6 +70,8 @@ def test_shard_size_must_divide_the_workers():
                                    "data.train_batch_size=8", "actor.mini_batch_size=8"])
 
 
+# HSDP under tp and sp: the vLLM venv's matrix run 8 trains them together in CI (.ci/run).
+@pytest.mark.slow
 @pytest.mark.parametrize("tp,sp", [(2, 1), (1, 2)], ids=["tp2", "sp2"])
 def test_hsdp_on_the_mesh_gathers_inside_the_shard_group(tiny_model_dir, tp, sp):
     # 4 ranks, 2 data-parallel replicas of tp (or sp) 2. tp: FSDP2 shards each tp slice over

@@ -140,7 +140,7 @@ def kv2_model_dir(tmp_path_factory):
                             layers=2, heads=2, kv_heads=2)
 
 
-@pytest.mark.parametrize("kv_heads", [2, 1])
+@pytest.mark.parametrize("kv_heads", [2, pytest.param(1, marks=pytest.mark.slow)])
 def test_tensor_parallel_halves_parameter_and_optimizer_memory(tiny_model_dir, kv2_model_dir,
                                                                kv_heads):
     from dagrl.config.presets import load_run_config

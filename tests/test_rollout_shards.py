@@ -82,7 +82,8 @@ def _sync(rank, world, model_dir, actor_tp, bucket_bytes):
             block_bytes, whole, own)
 
 
-@pytest.mark.parametrize("bucket_bytes", [2**30, 32768], ids=["one-bucket", "many-buckets"])
+@pytest.mark.parametrize("bucket_bytes", [2**30, pytest.param(32768, marks=pytest.mark.slow)],
+                         ids=["one-bucket", "many-buckets"])
 def test_fsdp2_to_rollout_tp_is_one_all_to_all_per_bucket(tiny_model_dir, bucket_bytes):
     for (mismatched, complete, split, per_bucket, calls, block_bytes, whole,
          own) in run_distributed(_sync, 4, str(tiny_model_dir), 1, bucket_bytes):

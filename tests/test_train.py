@@ -60,6 +60,7 @@ def test_skipping_the_on_policy_old_logprob_pass_changes_nothing(tmp_path):
             assert ms[key] == pytest.approx(mk[key], rel=1e-4, abs=1e-7), key
 
 
+@pytest.mark.slow   # torch.compile's C++ build on the CPU: ~17 s
 def test_compiled_layers_train_like_eager_ones(tmp_path):
     # A KL term, so the reference model's compiled layers run too.
     compiled, _ = run(tmp_path, "trainer.total_steps=2", "actor.compile=true",

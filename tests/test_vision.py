@@ -139,6 +139,7 @@ def one_worker_vlm_run(tmp_path_factory):
     return steps
 
 
+@pytest.mark.slow   # 2 workers, ~25 s; the async run below stays in the main suite
 def test_two_workers_train_an_image_text_model_as_one_does(one_worker_vlm_run, tmp_path):
     """Done-when 2 of issue 36: FSDP2 over the vision tower and the language model on 2
     torchrun workers, each generating its shard's samples from their images, reproduces the

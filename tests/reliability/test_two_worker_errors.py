@@ -107,7 +107,9 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-@pytest.mark.parametrize("launcher", LAUNCHER_PARAMS)
+# Through dagrl's own torchrun launch in the main suite; plain torchrun and Ray: -m slow.
+@pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.slow),
+                                      *(p for p in LAUNCHER_PARAMS if p != "torchrun")])
 def test_a_worker_failing_mid_run_is_one_line_and_a_logged_traceback(tmp_path, launcher):
     """Rank 1 fails at step 1; rank 0 then fails too (its peer is gone), but rank 1's error is
     the line shown, with a hint; both tracebacks are in dagrl.log; no process is left."""
