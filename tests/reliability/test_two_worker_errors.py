@@ -34,8 +34,6 @@ def ray_cmd(*args: str) -> list[str]:
 
 
 LAUNCHERS = {"ray": ray_cmd, "torchrun": torchrun_cmd, "dagrl-torchrun": dagrl_torchrun_cmd}
-# The Ray runs start a Ray instance each (slow marker: `pytest -m slow`).
-LAUNCHER_PARAMS = [pytest.param("ray", marks=pytest.mark.slow), "torchrun", "dagrl-torchrun"]
 
 
 def bad_input(tmp_path, kind: str) -> tuple[list[str], str, str]:
@@ -107,9 +105,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
-# Through dagrl's own torchrun launch in the main suite; plain torchrun and Ray: -m slow.
-@pytest.mark.parametrize("launcher", [pytest.param("torchrun", marks=pytest.mark.slow),
-                                      *(p for p in LAUNCHER_PARAMS if p != "torchrun")])
+# Through dagrl's own torchrun launch in the main suite; plain torchrun and Ray (a Ray instance
+# each): -m slow.
+@pytest.mark.parametrize("launcher", [pytest.param("ray", marks=pytest.mark.slow),
+                                      pytest.param("torchrun", marks=pytest.mark.slow),
+                                      "dagrl-torchrun"])
 def test_a_worker_failing_mid_run_is_one_line_and_a_logged_traceback(tmp_path, launcher):
     """Rank 1 fails at step 1; rank 0 then fails too (its peer is gone), but rank 1's error is
     the line shown, with a hint; both tracebacks are in dagrl.log; no process is left."""
