@@ -144,9 +144,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return launch_torchrun(launcher_args, ns.args, ns.debug)
     from dagrl.runtime.distributed import env_world
-    from dagrl.runtime.process import torchrun_main
 
     if env_world() is not None:   # started by torchrun: this process is one worker
+        from dagrl.runtime.process import torchrun_main
+
         code = torchrun_main(cfg, ns.debug)
         # Training is over and the process group is destroyed. Skip the interpreter's teardown:
         # some C++ thread left by torch's import machinery sometimes aborts the process there
@@ -165,6 +166,7 @@ def _launch(cfg: Config, debug: bool) -> int:
         INTERRUPTED_EXIT,
         Failure,
         Terminated,
+        WorkerFailed,
         append_run_log,
         interrupted_line,
         interrupts_once,
@@ -172,7 +174,6 @@ def _launch(cfg: Config, debug: bool) -> int:
         was_interrupted,
     )
     from dagrl.runtime.launch import Outcome, launch
-    from dagrl.runtime.ray_launcher import WorkerFailed
 
     outcome = Outcome()
     try:

@@ -268,7 +268,8 @@ def trained_rows(run_dir: Path) -> dict[int, list[int]]:
 def expected_rows(run_dir: Path) -> dict[int, list[int]]:
     """Each step's global batch in the data order (seed 0), read from the run's own data."""
     from dagrl.config.presets import load_run_config
-    from dagrl.data.dataset import ParquetPrompts, PromptLoader
+    from dagrl.data.dataset import PromptLoader
+    from dagrl.data.parquet import ParquetPrompts
     from dagrl.engines.models import build_char_tokenizer
 
     cfg = load_run_config(str(run_dir / "config.resolved.yaml"), [])

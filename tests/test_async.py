@@ -31,8 +31,9 @@ def test_the_next_steps_prompts_come_once_weights_are_fresh_enough_and_move_no_d
         tmp_path, tokenizer):
     from types import SimpleNamespace
 
-    from dagrl.data.dataset import ParquetPrompts, PromptLoader
+    from dagrl.data.dataset import PromptLoader
     from dagrl.data.makers import make_arith
+    from dagrl.data.parquet import ParquetPrompts
     from dagrl.runtime.streams import FreshWeightsPromptSource
 
     files = make_arith(tmp_path, seed=0)

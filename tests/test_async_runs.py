@@ -93,7 +93,8 @@ def trained_rows(run_dir) -> dict[int, list[int]]:
 
 
 def expected_rows(run_dir, steps: int, batch: int) -> dict[int, list[int]]:
-    from dagrl.data.dataset import ParquetPrompts, PromptLoader
+    from dagrl.data.dataset import PromptLoader
+    from dagrl.data.parquet import ParquetPrompts
     from dagrl.engines.models import build_char_tokenizer
 
     source = ParquetPrompts([str(run_dir / "artifacts" / "arith-data" / "train.parquet")])

@@ -24,7 +24,8 @@ import pytest
 
 from dagrl.config.loader import ConfigError, load_config
 from dagrl.config.schema import Config
-from dagrl.data.dataset import DatasetError, ParquetPrompts, PromptLoader
+from dagrl.data.dataset import DatasetError, PromptLoader
+from dagrl.data.parquet import ParquetPrompts
 from dagrl.engines.models import TokenizerError, load_tokenizer, write_tiny_model
 from dagrl.rewards.manager import RewardError, RewardManager
 from dagrl.runtime.launch import launch
@@ -511,4 +512,34 @@ def test_a_missing_path_is_named_before_torch_loads(tmp_path, key):
                                     "downloaded)")}[key]
     assert proc.stdout.split() == [rc, "False", "False"], proc.stderr
     assert proc.stderr.strip() == f"error: {line}"
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("problem", ["missing column", "reward returns text"])
+def test_bad_data_and_reward_functions_are_refused_before_the_model_code_loads(tmp_path,
+                                                                               problem):
+    """The dataset and reward checks read files and call the user's function only: their
+    refusal comes before transformers and tensordict are imported (the workers' seconds of
+    imports). torch itself is loaded with the registries the config's names are read in."""
+    import subprocess
+
+    if problem == "missing column":
+        rows = [{k: v for k, v in row.items() if k != "reward_model"} for row in arith_rows(4)]
+        bad = write_rows(tmp_path / "bad.parquet", rows)
+        args = [f"data.train_files=[{bad}]"]
+        line = f"{bad}: missing column(s) ['reward_model']"
+    else:
+        (tmp_path / "text_reward.py").write_text(
+            "def score(data_source, solution_str, ground_truth, extra_info=None):\n"
+            "    return 'oops'\n")
+        args = [f"reward.custom_fn={tmp_path / 'text_reward.py'}:score"]
+        line = "TypeError: returned str 'oops', expected a finite number"
+    args.append(f"trainer.run_dir={tmp_path / 'run'}")
+    code = (f"import sys; from dagrl.train import main; rc = main({args!r}); "
+            "print(rc, 'transformers' in sys.modules, 'tensordict' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.stdout.split() == ["1", "False", "False"], proc.stderr
+    assert proc.stderr.startswith("error: ") and line in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "run").exists()

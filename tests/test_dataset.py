@@ -7,7 +7,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dagrl.data.dataset import DatasetError, ParquetPrompts, PromptLoader, encode_prompt
+from dagrl.data.dataset import DatasetError, PromptLoader, encode_prompt
+from dagrl.data.parquet import ParquetPrompts
 
 
 def verl_rows():

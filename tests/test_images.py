@@ -106,7 +106,7 @@ def image_row(index: int, images: list[bytes], text: str = "<image>How many?") -
      "row 3, column images[1]: 2000x1000 = 2000000 pixels, above data.max_image_pixels=1003520"),
 ])
 def test_bad_images_are_named_by_file_row_and_column(tmp_path, bad, named):
-    from dagrl.data.dataset import ParquetPrompts
+    from dagrl.data.parquet import ParquetPrompts
 
     rows = [image_row(i, [_png((64, 64))]) for i in range(3)] + [bad]
     path = write_image_rows(tmp_path / "bad.parquet", rows)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dagrl.algorithms.utils import entropy_from_logits, logprobs_from_logits
-from dagrl.data.batch import position_ids_from_mask
+from dagrl.data.positions import position_ids_from_mask
 from dagrl.engines.forward import response_logprobs
 from dagrl.engines.models import load_model, write_tiny_model
 

@@ -77,7 +77,7 @@ def test_torchrun_two_workers_match_one_worker_with_reward_on_one_rank_and_memor
 @pytest.mark.slow
 def test_ray_two_workers_match_and_a_failing_worker_stops_the_run(tmp_path, one_worker_run,
                                                                    capfd):
-    from dagrl.runtime.ray_launcher import WorkerFailed
+    from dagrl.runtime.failures import WorkerFailed
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     run_dir = tmp_path / "ray"
@@ -114,7 +114,8 @@ def test_ray_two_workers_match_and_a_failing_worker_stops_the_run(tmp_path, one_
 
 
 def _loader_shards(rank, world, files, restore_at):
-    from dagrl.data.dataset import ParquetPrompts, PromptLoader
+    from dagrl.data.dataset import PromptLoader
+    from dagrl.data.parquet import ParquetPrompts
     from dagrl.engines.models import build_char_tokenizer
 
     tok = build_char_tokenizer()

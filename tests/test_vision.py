@@ -85,8 +85,9 @@ def test_the_loader_puts_each_rows_images_beside_its_image_tokens(vlm, tmp_path)
     naming the file, the row and the column."""
     import pyarrow.parquet as pq
 
-    from dagrl.data.dataset import ParquetPrompts, PromptLoader
+    from dagrl.data.dataset import PromptLoader
     from dagrl.data.errors import DatasetError
+    from dagrl.data.parquet import ParquetPrompts
     from dagrl.data.shapes import make_shapes
     from dagrl.data.vision import IMAGE_FIELD, batch_images
 

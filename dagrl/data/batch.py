@@ -328,8 +328,3 @@ def response_attention(batch: Batch) -> Tensor:
     no gaps, so its `response_mask` is that."""
     mask = batch.get(RESPONSE_ATTENTION_MASK)
     return batch["response_mask"] if mask is None else mask
-
-
-def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
-    """Positions that skip left padding: [B, L] mask -> [B, L] ids (0 at the first real token)."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)

@@ -19,6 +19,9 @@ import pyarrow.parquet as pq
 from dagrl.data.errors import DatasetError
 from dagrl.data.images import IMAGE_COLUMN, image_problem
 
+# How many first rows of each file are checked before a run (values, prompt lengths).
+PREFLIGHT_ROWS = 1024
+
 TEXT_HINT = "expected UTF-8 text (a parquet string column)"
 
 

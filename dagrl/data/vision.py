@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from dagrl.data.batch import position_ids_from_mask
+from dagrl.data.positions import position_ids_from_mask
 
 VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"
 IMAGE_BLOCK = VISION_START + IMAGE_PAD + VISION_END

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from dagrl.data.batch import Batch, position_ids_from_mask, response_attention
+from dagrl.data.batch import Batch, response_attention
+from dagrl.data.positions import position_ids_from_mask
 from dagrl.data.vision import (
     ImageInputs,
     batch_images,

@@ -14,7 +14,7 @@ import inspect
 import torch
 
 from dagrl.algorithms.utils import logprobs_from_logits
-from dagrl.data.batch import position_ids_from_mask
+from dagrl.data.positions import position_ids_from_mask
 from dagrl.data.vision import (
     ImageInputs,
     image_kwargs,

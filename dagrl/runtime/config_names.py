@@ -1,7 +1,8 @@
 """What a config names, checked when it is loaded — by `dagrl train` and by `dagrl.train(...)`
-— so a typo fails in a second, before torch and transformers load: the data files and model
-directories it lists, and the names it looks up in registries above the config layer (losses,
-estimators, scorers, tools, environments, rollout backends)."""
+— so a typo fails in seconds, before transformers and the model code load: the data files and
+model directories it lists (before torch too), and the names it looks up in registries above
+the config layer (losses, estimators, scorers, tools, environments, rollout backends: their
+modules import torch)."""
 
 from __future__ import annotations
 

@@ -46,24 +46,29 @@ class PeerFailed(RuntimeError):
     """This rank stopped because another rank failed first (its error is the one reported)."""
 
 
-def user_error_types() -> tuple[type[BaseException], ...]:
-    """Errors caused by the input (config, graph, data, model directory, checkpoints, reward
-    function, run directory): their message is the whole story, a traceback adds nothing."""
-    from dagrl.config.loader import ConfigError
-    from dagrl.dag.spec import GraphError
-    from dagrl.data.errors import DatasetError
-    from dagrl.engines.models import TokenizerError
-    from dagrl.extras import MissingExtraError
-    from dagrl.registry import UnknownNameError
-    from dagrl.rewards.manager import RewardError
-    from dagrl.rollout.server import ServerError
-    from dagrl.runtime.checkpoint import CheckpointError
-    from dagrl.runtime.placement import PlacementError
-    from dagrl.runtime.run_dir import RunDirError
+# Errors caused by the input (config, graph, data, model directory, checkpoints, reward
+# function, run directory): their message is the whole story, a traceback adds nothing.
+USER_ERRORS = {
+    "dagrl.config.loader": "ConfigError",
+    "dagrl.dag.spec": "GraphError",
+    "dagrl.data.errors": "DatasetError",
+    "dagrl.engines.models": "TokenizerError",
+    "dagrl.extras": "MissingExtraError",
+    "dagrl.registry": "UnknownNameError",
+    "dagrl.rewards.manager": "RewardError",
+    "dagrl.rollout.server": "ServerError",
+    "dagrl.runtime.checkpoint": "CheckpointError",
+    "dagrl.runtime.placement": "PlacementError",
+    "dagrl.runtime.run_dir": "RunDirError",
+}
 
-    return (ConfigError, GraphError, DatasetError, TokenizerError, MissingExtraError,
-            UnknownNameError, RewardError, ServerError, CheckpointError, RunDirError,
-            PlacementError, FileNotFoundError, FloatingPointError)
+
+def user_error_types() -> tuple[type[BaseException], ...]:
+    """The classes of USER_ERRORS, and a missing file or a non-finite number. Only modules
+    already imported are read: an error cannot be of a class never loaded, and reporting a
+    refused input must not load torch and transformers to find that out."""
+    loaded = [getattr(sys.modules.get(module), name, None) for module, name in USER_ERRORS.items()]
+    return (*(cls for cls in loaded if cls is not None), FileNotFoundError, FloatingPointError)
 
 
 def one_line(text: str) -> str:
@@ -105,6 +110,15 @@ class Failure:
         after = (f" (after rank {self.cause_rank} failed)" if self.rank is not None
                  and not self.first and self.cause_rank is not None else "")
         return f"error: {where}{kind}{one_line(self.message)}{after}"
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process raised or died; `failure` is the first failing rank's record."""
+
+    def __init__(self, failure: Failure) -> None:
+        self.failure = failure
+        super().__init__(f"worker rank {failure.rank} failed: {failure.kind}: "
+                         f"{one_line(failure.message)}")
 
 
 def run_log_path(run_dir: Path | str | None) -> Path | None:

@@ -1,13 +1,17 @@
 """Everything about a run's inputs that can be checked without loading a model or writing a
-file, checked before the run directory is touched: the graph and its roles, the model
-directory and whether its heads split over the tensor / sequence-parallel sizes, the reward
-function, the datasets (schema, column types and the values of their first rows, and, with a
-model directory, their prompts' token lengths), and the run and checkpoint directories.
+file, checked before the run directory is touched: the reward function, the datasets (schema,
+column types and the values of their first rows), the run and checkpoint directories, the
+graph and its roles, whether the model's heads split over the tensor / sequence-parallel
+sizes, the prompts' token lengths, and the checkpoint a resume would start from.
 
 `check_inputs` runs in the launching process (the Ray driver, the single worker) or on every
 torchrun rank before the process group forms, so a typo costs seconds, not a model load, and a
 refused run leaves nothing behind. Each error is one of the user-error types of
 runtime/failures.py and names the file, column, row, key or node.
+
+The checks that read only files come first and import no torch: a malformed dataset or reward
+function is refused in well under a second. The graph's roles, the tokenizer and the model's
+config need torch and transformers (seconds to import), so their checks import them late.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dagrl.config.loader import ConfigError
 from dagrl.config.model_source import (
@@ -27,33 +32,28 @@ from dagrl.config.model_source import (
 )
 from dagrl.config.schema import Config
 from dagrl.dag.spec import GraphError
-from dagrl.data.dataset import ParquetPrompts, PromptLoader
+from dagrl.data.checks import PREFLIGHT_ROWS
 from dagrl.data.errors import DatasetError
 from dagrl.data.makers import MAKERS
-from dagrl.data.vision import ImageEncoder
-from dagrl.engines.memory_estimate import model_config
-from dagrl.engines.models import load_tokenizer, tiny_tokenizer
-from dagrl.engines.tiny_vlm import tiny_image_processor
+from dagrl.data.parquet import ParquetPrompts
 from dagrl.observe.backends import check_backends_installed
 from dagrl.registry import UnknownNameError
 from dagrl.rewards.custom import load_function
 from dagrl.rewards.manager import unpack_score
 from dagrl.rewards.pool import call_scorer
 from dagrl.rewards.scorers import SCORERS
-from dagrl.roles.plan import plan_for
-from dagrl.runtime.checkpoint import CheckpointError, resolve_resume
 from dagrl.runtime.manifest import read_manifest
 from dagrl.runtime.model_identity import identity_mismatch, model_identity
-from dagrl.runtime.preflight import PREFLIGHT_ROWS, check_model_parallel
 from dagrl.runtime.run_dir import RunDirError
+
+if TYPE_CHECKING:
+    from dagrl.data.vision import ImageEncoder
 
 
 def check_inputs(cfg: Config) -> None:
     """Raise the first problem with `cfg`'s inputs; write nothing."""
     check_backends_installed(cfg.logging)
-    check_graph(cfg)
     check_model_sources(cfg)
-    check_model_parallel(cfg)
     check_reward(cfg)
     t = cfg.trainer
     data_keys = ["train_files"]
@@ -65,18 +65,29 @@ def check_inputs(cfg: Config) -> None:
     # With reward.timeout_s the scorer may hang by design: only its pool can stop it.
     if r.custom_fn and r.source == "rule" and r.on_error == "raise" and not r.timeout_s:
         probe_reward(cfg, load_function(r.custom_fn, isolated=True))
-    check_prompt_lengths(cfg, data_keys)
     run_dir = Path(t.run_dir or "runs")
     check_dir_usable(run_dir, "trainer.run_dir")
     checkpoint_root = Path(t.checkpoint_dir) if t.checkpoint_dir else run_dir / "checkpoints"
     check_dir_usable(checkpoint_root, "trainer.checkpoint_dir")
-    check_resume_model(cfg, resolve_resume(t.resume, checkpoint_root))
+    # From here on, torch and transformers are imported.
+    check_graph(cfg)
+    from dagrl.runtime.preflight import check_model_parallel
+
+    check_model_parallel(cfg)
+    check_prompt_lengths(cfg, data_keys)
+    check_resume_model(cfg, checkpoint_root)
 
 
-def check_resume_model(cfg: Config, checkpoint: Path | None) -> None:
-    """The checkpoint a resume would start from was written for the configured model (its
-    identity in the manifest, or, for a checkpoint older than that, its hf/ files); compared
-    from configs and vocabularies only, before anything is built."""
+def check_resume_model(cfg: Config, checkpoint_root: Path) -> None:
+    """The checkpoint a resume would start from (trainer.resume under `checkpoint_root`) exists
+    and was written for the configured model (its identity in the manifest, or, for a
+    checkpoint older than that, its hf/ files); compared from configs and vocabularies only,
+    before anything is built."""
+    from dagrl.engines.memory_estimate import model_config
+    from dagrl.engines.models import load_tokenizer
+    from dagrl.runtime.checkpoint import CheckpointError, resolve_resume
+
+    checkpoint = resolve_resume(cfg.trainer.resume, checkpoint_root)
     if checkpoint is None:
         return
     saved = (read_manifest(checkpoint) or {}).get("model")
@@ -96,6 +107,9 @@ def check_resume_model(cfg: Config, checkpoint: Path | None) -> None:
 
 def check_graph(cfg: Config) -> None:
     """Import dag.modules, build the graph, validate it against the roles and plan it."""
+    # The built-in roles import torch and the engines.
+    from dagrl.roles.plan import plan_for
+
     try:
         plan_for(cfg, cfg.trainer.n_workers)
     except (GraphError, UnknownNameError, ConfigError):
@@ -194,6 +208,8 @@ def check_prompt_lengths(cfg: Config, keys: list[str]) -> None:
              for key in keys}
     if not any(files.values()):
         return
+    from dagrl.data.dataset import PromptLoader
+
     tokenizer = model_tokenizer(cfg)
     images = model_image_encoder(cfg, tokenizer)
     for key, paths in files.items():
@@ -208,6 +224,9 @@ def check_prompt_lengths(cfg: Config, keys: list[str]) -> None:
 def model_image_encoder(cfg: Config, tokenizer) -> ImageEncoder | None:
     """The configured model's image encoder (data/vision.py) when it reads images, from its
     directory or, for the built-in image-text model, built in memory."""
+    from dagrl.data.vision import ImageEncoder
+    from dagrl.engines.tiny_vlm import tiny_image_processor
+
     m = cfg.model
     if m.path == BUILTIN_PREFIX + TINY_VLM:
         return ImageEncoder(tiny_image_processor(), tokenizer)
@@ -220,6 +239,8 @@ def model_image_encoder(cfg: Config, tokenizer) -> ImageEncoder | None:
 def model_tokenizer(cfg: Config):
     """The configured model's tokenizer, without its weights: a built-in model's built in memory
     (what prepare_run writes beside the tiny model), an installed package's, a directory's."""
+    from dagrl.engines.models import load_tokenizer, tiny_tokenizer
+
     m = cfg.model
     if m.path.startswith(BUILTIN_PREFIX):
         return tiny_tokenizer(m.path[len(BUILTIN_PREFIX):])

@@ -6,7 +6,8 @@
 
 Before any of them: the inputs are checked (runtime/input_checks.py) while nothing has been
 written, then the run directory is locked (runtime/run_lock.py) — a refused run leaves no trace
-and a second live run on the same directory is refused.
+and a second live run on the same directory is refused. The workers' code (torch, the models,
+Ray) is imported after the checks, so a refusal does not wait for it.
 """
 
 from __future__ import annotations
@@ -15,13 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dagrl.config.schema import Config
-from dagrl.runtime.distributed import init_distributed
-from dagrl.runtime.failures import Failure, log_failure, run_log_path, sigterm_exits
+from dagrl.runtime.failures import Failure, WorkerFailed, log_failure, run_log_path, sigterm_exits
 from dagrl.runtime.input_checks import check_inputs
-from dagrl.runtime.ray_launcher import WorkerFailed, launch_ray
 from dagrl.runtime.run_dir import announce_run_dir, prepare_run, resolve_run_dir, with_run_dir
 from dagrl.runtime.run_lock import RunLock, announce_takeover
-from dagrl.runtime.worker import Worker
 
 
 @dataclass
@@ -48,6 +46,10 @@ def launch(cfg: Config, outcome: Outcome | None = None) -> list[dict[str, float]
 
 
 def _train(cfg: Config, outcome: Outcome) -> list[dict[str, float]]:
+    from dagrl.runtime.distributed import init_distributed
+    from dagrl.runtime.ray_launcher import launch_ray
+    from dagrl.runtime.worker import Worker
+
     if cfg.trainer.n_workers > 1:
         try:
             return launch_ray(cfg)

@@ -23,13 +23,12 @@ import torch
 
 from dagrl.config.loader import ConfigError
 from dagrl.config.schema import Config
+from dagrl.data.checks import PREFLIGHT_ROWS
 from dagrl.data.dataset import PromptLoader
 from dagrl.device import native_bf16_matmul
 from dagrl.engines.memory_estimate import model_config
 from dagrl.engines.tensor_parallel import check_tensor_parallel
 from dagrl.engines.ulysses import check_sequence_parallel
-
-PREFLIGHT_ROWS = 1024
 
 
 def check_prompts(loaders: dict[str, PromptLoader], log: Callable[[str], None]) -> None:

@@ -24,7 +24,7 @@ from dagrl.config.schema import Config
 from dagrl.device import ray_device_type
 from dagrl.observe.loggers import MetricsFileConsole
 from dagrl.runtime.checkpoint import latest_checkpoint
-from dagrl.runtime.failures import Failure, log_failure, one_line
+from dagrl.runtime.failures import Failure, WorkerFailed, log_failure
 from dagrl.runtime.ray_session import ray_session
 from dagrl.runtime.ray_worker import start_workers
 from dagrl.runtime.watchdog import DriverBeacon
@@ -34,15 +34,6 @@ from dagrl.runtime.watchdog import DriverBeacon
 CAUSE_GRACE_S = 3.0
 # How often the driver draws the steps rank 0 logged (MetricsFileConsole).
 CONSOLE_POLL_S = 0.5
-
-
-class WorkerFailed(RuntimeError):
-    """A worker process raised or died; `failure` is the first failing rank's record."""
-
-    def __init__(self, failure: Failure) -> None:
-        self.failure = failure
-        super().__init__(f"worker rank {failure.rank} failed: {failure.kind}: "
-                         f"{one_line(failure.message)}")
 
 
 def launch_ray(cfg: Config) -> list[dict[str, float]]:

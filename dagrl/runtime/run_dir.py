@@ -3,6 +3,8 @@
 `prepare_run` resolves the run directory, writes the resolved config there and materialises
 built-in artefacts (`builtin:` models and datasets) as ordinary files, so workers only ever
 load from disk. It runs on rank 0, which then hands the resolved config to the other ranks.
+The built-in models' code (torch, transformers) is imported only where they are written: the
+launcher imports this module before its input checks, which must not wait seconds for it.
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ from dagrl.config.loader import dump_yaml
 from dagrl.config.model_source import BUILTIN_PREFIX, TINY_REWARD_MODEL
 from dagrl.config.schema import Config
 from dagrl.data.makers import MAKERS
-from dagrl.engines.models import resolve_builtin_model
-from dagrl.engines.tiny_reward_model import copy_tiny_digit_rm
 
 
 def resolve_run_dir(cfg: Config) -> Path:
@@ -43,12 +43,16 @@ def resolve_builtin_reward_model(path: str, out_root: Path, *, seed: int) -> str
                          f"one is {BUILTIN_PREFIX + TINY_REWARD_MODEL}")
     out = out_root / f"{TINY_REWARD_MODEL}-s{seed}"
     if not (out / "config.json").exists():
+        from dagrl.engines.tiny_reward_model import copy_tiny_digit_rm
+
         copy_tiny_digit_rm(out, seed=seed)
     return str(out)
 
 
 def materialize_builtins(cfg: Config, run_dir: Path) -> Config:
     """Write `builtin:` models and datasets under run_dir and return the config pointing at them."""
+    from dagrl.engines.models import resolve_builtin_model
+
     m = cfg.model
     model_path = resolve_builtin_model(m.path, run_dir / "artifacts",
                                        hidden_size=m.tiny_hidden_size, layers=m.tiny_layers,

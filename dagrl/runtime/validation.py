@@ -25,8 +25,9 @@ import torch
 from tqdm import tqdm
 
 from dagrl.config.schema import Config
-from dagrl.data.dataset import ParquetPrompts, PromptLoader
+from dagrl.data.dataset import PromptLoader
 from dagrl.data.images import thumbnail_png
+from dagrl.data.parquet import ParquetPrompts
 from dagrl.data.vision import ImageEncoder, row_images
 from dagrl.engines.bundle import Engines
 from dagrl.observe.metrics import StepMetrics

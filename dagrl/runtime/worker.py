@@ -39,7 +39,8 @@ from dagrl.config.schema import Config
 from dagrl.dag.planner import RankPlan, Task
 from dagrl.data.batch import Batch
 from dagrl.data.buffer import balance, reshard
-from dagrl.data.dataset import ParquetPrompts, PromptLoader
+from dagrl.data.dataset import PromptLoader
+from dagrl.data.parquet import ParquetPrompts
 from dagrl.data.replicas import from_replicas, to_replicas
 from dagrl.data.vision import ImageEncoder
 from dagrl.device import is_host

@@ -12,7 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from dagrl.data.dataset import DatasetError, ParquetPrompts, PromptLoader
+from dagrl.data.dataset import DatasetError, PromptLoader
+from dagrl.data.parquet import ParquetPrompts
 from tests.reliability.helpers import (
     SMALL,
     arith_rows,
