@@ -11,13 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dagrl.config.loader import ConfigError
-
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
-
+from dagrl.config.loader import require
 
 # The advantage estimators that read the old policy's per-token statistics (old_logprobs and
 # sum_pi_squared): the built-in graphs run the old_logprob pass for them, and that pass computes
@@ -61,10 +55,10 @@ class RolloutCorrectionConfig:
     loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
 
     def __post_init__(self) -> None:
-        _check(_positive_bounds(self.rollout_is_threshold),
+        require(_positive_bounds(self.rollout_is_threshold),
                f"rollout_is_threshold must be 'U' or 'L_U' with numbers 0 < L <= U, got "
                f"{self.rollout_is_threshold!r}")
-        _check(bool(self.rollout_rs) == (str(self.rollout_rs_threshold).strip() != ""),
+        require(bool(self.rollout_rs) == (str(self.rollout_rs_threshold).strip() != ""),
                "rollout_rs and rollout_rs_threshold go together: set both or neither")
         # The option names and per-option thresholds are checked against the registry at load
         # (dagrl.runtime.config_names.check_registered_names), above this layer.
@@ -140,23 +134,23 @@ class AlgorithmConfig:
     filter_on_cap: Literal["error", "partial"] = "error"
 
     def __post_init__(self) -> None:
-        _check(self.clip_ratio_low >= 0 and self.clip_ratio_high >= 0,
+        require(self.clip_ratio_low >= 0 and self.clip_ratio_high >= 0,
                "clip_ratio_low and clip_ratio_high must be >= 0")
-        _check(self.clip_ratio_c > 1, "clip_ratio_c must be > 1")
-        _check(self.kl_loss_coef >= 0, "kl_loss_coef must be >= 0")
-        _check(self.kl_coef >= 0, "kl_coef must be >= 0")
-        _check(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "gamma and lam must be in [0, 1]")
-        _check(self.kl_target > 0 and self.kl_horizon > 0, "kl_target and kl_horizon must be > 0")
-        _check(self.filter_max_rounds > 0, "filter_max_rounds must be > 0")
-        _check(0 < self.clip_cov_ratio <= 1, "clip_cov_ratio must be in (0, 1]")
-        _check(self.clip_cov_lb < self.clip_cov_ub, "clip_cov_lb must be < clip_cov_ub")
-        _check(0 < self.kl_cov_ratio <= 1, "kl_cov_ratio must be in (0, 1]")
-        _check(self.ppo_kl_coef >= 0, "ppo_kl_coef must be >= 0")
-        _check(self.tau_pos > 0 and self.tau_neg > 0, "tau_pos and tau_neg must be > 0")
-        _check(self.dro_beta >= 0, "dro_beta must be >= 0")
-        _check(self.policy_loss != "dro" or self.dro_beta > 0,
+        require(self.clip_ratio_c > 1, "clip_ratio_c must be > 1")
+        require(self.kl_loss_coef >= 0, "kl_loss_coef must be >= 0")
+        require(self.kl_coef >= 0, "kl_coef must be >= 0")
+        require(0 <= self.gamma <= 1 and 0 <= self.lam <= 1, "gamma and lam must be in [0, 1]")
+        require(self.kl_target > 0 and self.kl_horizon > 0, "kl_target and kl_horizon must be > 0")
+        require(self.filter_max_rounds > 0, "filter_max_rounds must be > 0")
+        require(0 < self.clip_cov_ratio <= 1, "clip_cov_ratio must be in (0, 1]")
+        require(self.clip_cov_lb < self.clip_cov_ub, "clip_cov_lb must be < clip_cov_ub")
+        require(0 < self.kl_cov_ratio <= 1, "kl_cov_ratio must be in (0, 1]")
+        require(self.ppo_kl_coef >= 0, "ppo_kl_coef must be >= 0")
+        require(self.tau_pos > 0 and self.tau_neg > 0, "tau_pos and tau_neg must be > 0")
+        require(self.dro_beta >= 0, "dro_beta must be >= 0")
+        require(self.policy_loss != "dro" or self.dro_beta > 0,
                "dro_beta must be > 0 with policy_loss=dro (the weight of its log-ratio penalty)")
-        _check(not self.gdpo_reward_weights
+        require(not self.gdpo_reward_weights
                or len(self.gdpo_reward_weights) == len(self.gdpo_reward_keys),
                "gdpo_reward_weights must give one weight per gdpo_reward_keys entry "
                f"({len(self.gdpo_reward_keys)}), got {len(self.gdpo_reward_weights)}")

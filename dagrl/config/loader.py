@@ -52,6 +52,13 @@ class ConfigError(ValueError):
     """An invalid configuration; the message names the offending dotted key."""
 
 
+def require(cond: bool, message: str) -> None:
+    """Raise ConfigError(message) unless `cond`: the check every section's `__post_init__`
+    makes (its message starts with the field; the loader prefixes the section)."""
+    if not cond:
+        raise ConfigError(message)
+
+
 class _Loader(yaml.SafeLoader):
     """SafeLoader that also resolves ``1e-4``-style scalars to floats."""
 

@@ -16,12 +16,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dagrl.config.loader import ConfigError
-
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
+from dagrl.config.loader import ConfigError, require
 
 
 @dataclass
@@ -39,8 +34,8 @@ class RewardModelConfig:
     max_length: int = 1024
 
     def __post_init__(self) -> None:
-        _check(self.micro_batch_size >= 1, "micro_batch_size must be >= 1")
-        _check(self.max_length >= 2, "max_length must be >= 2")
+        require(self.micro_batch_size >= 1, "micro_batch_size must be >= 1")
+        require(self.max_length >= 2, "max_length must be >= 2")
 
 
 # The default judge prompt: {prompt} is the last user message of the sample's prompt,
@@ -82,20 +77,20 @@ class JudgeConfig:
     micro_batch_size: int = 32
 
     def __post_init__(self) -> None:
-        _check(self.max_new_tokens >= 1, "max_new_tokens must be >= 1")
-        _check(self.temperature >= 0, "temperature must be >= 0")
-        _check(self.score_scale > 0, "score_scale must be > 0")
-        _check(self.micro_batch_size >= 1, "micro_batch_size must be >= 1")
-        _check((self.backend == "server") == bool(self.server_urls),
+        require(self.max_new_tokens >= 1, "max_new_tokens must be >= 1")
+        require(self.temperature >= 0, "temperature must be >= 0")
+        require(self.score_scale > 0, "score_scale must be > 0")
+        require(self.micro_batch_size >= 1, "micro_batch_size must be >= 1")
+        require((self.backend == "server") == bool(self.server_urls),
                "backend=server needs server_urls, and server_urls need backend=server")
-        _check(all(u.startswith(("http://", "https://")) for u in self.server_urls),
+        require(all(u.startswith(("http://", "https://")) for u in self.server_urls),
                "server_urls must be http:// or https:// base URLs")
         try:
             groups = re.compile(self.score_pattern).groups
         except re.error as err:
             raise ConfigError(f"score_pattern {self.score_pattern!r} is not a regular "
                               f"expression: {err}") from err
-        _check(groups == 1, f"score_pattern {self.score_pattern!r} must have exactly one group "
+        require(groups == 1, f"score_pattern {self.score_pattern!r} must have exactly one group "
                             f"(the score), it has {groups}")
         try:
             self.template.format(**{k: "" for k in TEMPLATE_FIELDS})

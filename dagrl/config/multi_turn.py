@@ -12,12 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from dagrl.config.loader import ConfigError
-
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
+from dagrl.config.loader import require
 
 
 @dataclass
@@ -33,12 +28,12 @@ class SandboxConfig:
     max_output_chars: int = 2048    # what is kept of its stdout + stderr
 
     def __post_init__(self) -> None:
-        _check(self.cpu_time_s >= 1, "cpu_time_s must be >= 1 (whole seconds)")
-        _check(self.wall_time_s >= self.cpu_time_s, "wall_time_s must be >= cpu_time_s")
-        _check(self.memory_mb >= 64, "memory_mb must be >= 64 (a Python interpreter needs ~30)")
-        _check(self.max_processes >= 1, "max_processes must be >= 1")
-        _check(self.scratch_mb >= 1, "scratch_mb must be >= 1")
-        _check(self.max_output_chars > 0, "max_output_chars must be > 0")
+        require(self.cpu_time_s >= 1, "cpu_time_s must be >= 1 (whole seconds)")
+        require(self.wall_time_s >= self.cpu_time_s, "wall_time_s must be >= cpu_time_s")
+        require(self.memory_mb >= 64, "memory_mb must be >= 64 (a Python interpreter needs ~30)")
+        require(self.max_processes >= 1, "max_processes must be >= 1")
+        require(self.scratch_mb >= 1, "scratch_mb must be >= 1")
+        require(self.max_output_chars > 0, "max_output_chars must be > 0")
 
 
 def _one_string_parameter() -> dict[str, Any]:
@@ -62,12 +57,12 @@ class HttpToolConfig:
     timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _check(not self.url or self.url.startswith(("http://", "https://")),
+        require(not self.url or self.url.startswith(("http://", "https://")),
                f"url must start with http:// or https://, got {self.url!r}")
-        _check(bool(self.name), "name must not be empty")
-        _check(self.parameters.get("type") == "object",
+        require(bool(self.name), "name must not be empty")
+        require(self.parameters.get("type") == "object",
                "parameters must be a JSON schema with type: object (the arguments object)")
-        _check(self.timeout_s >= 0, "timeout_s must be >= 0 (0: tool_timeout_s)")
+        require(self.timeout_s >= 0, "timeout_s must be >= 0 (0: tool_timeout_s)")
 
 
 @dataclass
@@ -110,13 +105,13 @@ class MultiTurnConfig:
     http: HttpToolConfig = field(default_factory=HttpToolConfig)
 
     def __post_init__(self) -> None:
-        _check(self.max_turns > 0, "max_turns must be > 0")
-        _check(self.max_tokens_per_turn >= 0, "max_tokens_per_turn must be >= 0 (0: no limit)")
-        _check(self.max_concurrent_calls > 0, "max_concurrent_calls must be > 0")
-        _check(self.tool_timeout_s > 0, "tool_timeout_s must be > 0")
-        _check(self.max_tool_output_chars > 0, "max_tool_output_chars must be > 0")
-        _check(len(set(self.tools)) == len(self.tools), f"tools lists a tool twice: {self.tools}")
-        _check(not self.enable or bool(self.tools) or bool(self.environment),
+        require(self.max_turns > 0, "max_turns must be > 0")
+        require(self.max_tokens_per_turn >= 0, "max_tokens_per_turn must be >= 0 (0: no limit)")
+        require(self.max_concurrent_calls > 0, "max_concurrent_calls must be > 0")
+        require(self.tool_timeout_s > 0, "tool_timeout_s must be > 0")
+        require(self.max_tool_output_chars > 0, "max_tool_output_chars must be > 0")
+        require(len(set(self.tools)) == len(self.tools), f"tools lists a tool twice: {self.tools}")
+        require(not self.enable or bool(self.tools) or bool(self.environment),
                "enable=true needs tools or an environment (a chat with neither has one turn)")
-        _check("http" not in self.tools or bool(self.http.url),
+        require("http" not in self.tools or bool(self.http.url),
                "tools lists http: set http.url to the service it calls")

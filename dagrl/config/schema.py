@@ -16,16 +16,19 @@ from dagrl.config.algorithm import (  # noqa: F401 (re-exported: the config's se
     AlgorithmConfig,
     RolloutCorrectionConfig,
 )
-from dagrl.config.loader import ConfigError
+from dagrl.config.loader import require
 from dagrl.config.model_rewards import JudgeConfig, RewardModelConfig
 from dagrl.config.models import derive_model_configs
 from dagrl.config.multi_turn import MultiTurnConfig, SandboxConfig  # noqa: F401 (re-exported)
+from dagrl.config.rollout import RolloutConfig, ServerConfig, VLLMConfig  # noqa: F401 (re-exported)
+from dagrl.config.training import (  # noqa: F401 (re-exported: the config's sections)
+    ActorConfig,
+    CriticConfig,
+    LoraConfig,
+    OptimConfig,
+    RefConfig,
+)
 from dagrl.device import DeviceChoice
-
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
 
 
 @dataclass
@@ -69,15 +72,15 @@ class ModelConfig:
     tiny_heads: int = 2
 
     def __post_init__(self) -> None:
-        _check(bool(self.path), "path must name a model directory or builtin:tiny-qwen2")
-        _check(self.tiny_hidden_size % 16 == 0 and self.tiny_hidden_size > 0,
+        require(bool(self.path), "path must name a model directory or builtin:tiny-qwen2")
+        require(self.tiny_hidden_size % 16 == 0 and self.tiny_hidden_size > 0,
                "tiny_hidden_size must be a positive multiple of 16")
-        _check(self.tiny_layers > 0, "tiny_layers must be > 0")
-        _check(self.tiny_heads > 0 and self.tiny_heads % 2 == 0
+        require(self.tiny_layers > 0, "tiny_layers must be > 0")
+        require(self.tiny_heads > 0 and self.tiny_heads % 2 == 0
                and self.tiny_hidden_size % self.tiny_heads == 0,
                f"tiny_heads ({self.tiny_heads}) must be even and divide tiny_hidden_size "
                f"({self.tiny_hidden_size})")
-        _check(self.mixed_precision == "none" or self.dtype == "float32",
+        require(self.mixed_precision == "none" or self.dtype == "float32",
                f"mixed_precision={self.mixed_precision} keeps float32 master weights: it needs "
                f"dtype=float32 (got {self.dtype})")
 
@@ -113,269 +116,11 @@ class DataConfig:
     val_batch_size: int = 64
 
     def __post_init__(self) -> None:
-        _check(len(self.train_files) > 0, "train_files must list at least one parquet file")
-        _check(self.val_batch_size > 0, "val_batch_size must be > 0")
-        _check(self.train_batch_size > 0, "train_batch_size must be > 0")
-        _check(self.max_prompt_length > 0, "max_prompt_length must be > 0")
-        _check(self.max_image_pixels >= 0, "max_image_pixels must be >= 0 (0: no limit)")
-
-
-@dataclass
-class VLLMConfig:
-    """`rollout.backend=vllm` only (dagrl/rollout/vllm.py)."""
-    # Share of the GPU's memory vLLM may take (weights + KV cache); the trainer uses the rest.
-    # On the CPU vLLM reads it as the share of the NUMA node's memory, which must be free when
-    # the engine starts.
-    gpu_memory_utilization: float = 0.5
-    # On the CPU: GiB of KV cache.
-    cpu_kv_cache_gb: float = 1.0
-    # Reuse the KV of shared prompt prefixes (a GRPO group's samples share their prompt); the
-    # cache is reset after every weight sync.
-    enable_prefix_caching: bool = True
-    # Longest sequence vLLM plans for; 0: data.max_prompt_length + rollout.max_new_tokens.
-    max_model_len: int = 0
-    # vLLM's own tensor parallelism: each engine sharded over this many consecutive workers
-    # (a rollout replica, every rank of it holding the replica's prompts); trainer.n_workers
-    # must be a multiple of it. 1: an engine per worker.
-    tensor_parallel_size: int = 1
-
-    def __post_init__(self) -> None:
-        _check(self.tensor_parallel_size > 0, "tensor_parallel_size must be > 0")
-        _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization must be in (0, 1]")
-        _check(self.cpu_kv_cache_gb > 0, "cpu_kv_cache_gb must be > 0")
-        _check(self.max_model_len >= 0, "max_model_len must be >= 0 (0: derived)")
-
-
-@dataclass
-class ServerConfig:
-    """`rollout.backend=server` only (dagrl/rollout/server.py): OpenAI-compatible servers."""
-    # Base URLs, e.g. [http://127.0.0.1:8000]; a request goes to the server holding the
-    # context it extends (an episode's earlier turn, its group's prompt), else the least loaded.
-    urls: list[str] = field(default_factory=list)
-    # The served model name; empty: the first one the server lists at /v1/models.
-    model: str = ""
-    timeout_s: float = 60.0
-    # Retries of a transient failure (connection refused/reset, timeout, HTTP 429/5xx).
-    max_retries: int = 3
-    # Requests in flight at once (over all servers).
-    max_concurrency: int = 16
-    # false: after each update the servers generate with the trained weights. The first rank
-    # writes them to `weights_dir` and has each server load them through vLLM's
-    # `/collective_rpc` (start `vllm serve` with VLLM_SERVER_DEV_MODE=1 and
-    # --worker-extension-cls dagrl.rollout.vllm.WeightSyncExtension; dagrl/rollout/server.py).
-    # true: the servers keep the weights they started with (evaluation, off-policy training).
-    frozen_policy: bool = False
-    # Where the trained weights are written for the servers to read (a directory they see at
-    # the same path: on one host, memory-backed /dev/shm). Empty: /dev/shm, else the temp dir.
-    weights_dir: str = ""
-
-    def __post_init__(self) -> None:
-        _check(all(u.startswith(("http://", "https://")) for u in self.urls),
-               "urls must be http:// or https:// base URLs")
-        _check(self.timeout_s > 0, "timeout_s must be > 0")
-        _check(self.max_retries >= 0, "max_retries must be >= 0")
-        _check(self.max_concurrency > 0, "max_concurrency must be > 0")
-
-
-@dataclass
-class RolloutConfig:
-    n: int = 8                      # samples per prompt (the GRPO group size)
-    temperature: float = 1.0        # 0 means greedy
-    top_k: int = 0                  # 0 disables
-    top_p: float = 1.0              # 1 disables
-    max_new_tokens: int = 6
-    min_new_tokens: int = 0         # EOS is masked out until this many tokens are generated
-    # Token ids that end a response besides the tokenizer's EOS (e.g. an end-of-turn token);
-    # they are masked out until min_new_tokens, like EOS.
-    stop_token_ids: list[int] = field(default_factory=list)
-    # Validation: samples per prompt (n > 1 adds pass@n and maj@n) and their temperature.
-    val_n: int = 1
-    val_temperature: float = 0.0
-    # The generation backend (dagrl/rollout/): `native`, dagrl's decoder for Llama / Qwen2
-    # models; `hf`, the model's own HF forward (any causal LM); `auto`, native when it supports
-    # the model, else hf; `vllm`, vLLM's engine in the worker process (needs the vllm extra).
-    # `server`, OpenAI-compatible HTTP servers you run (rollout.server.*). Any name registered
-    # in dagrl.rollout.registry.ROLLOUT_BACKENDS: that layer, above this one, checks the name
-    # and the backend's own refusals when the config is loaded and when the graph is planned.
-    backend: str = "auto"
-    vllm: VLLMConfig = field(default_factory=VLLMConfig)
-    server: ServerConfig = field(default_factory=ServerConfig)
-    # Agent rollouts: tools, environments, several turns (dagrl/config/multi_turn.py).
-    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
-    # trainer.mode=async only (docs/async.md). A batch is trained on at most this many updates
-    # after the policy version that generated its oldest token (0: on-policy, the two sides
-    # alternate).
-    max_staleness: int = 1
-    # Partial rollout: generate in chunks of partial_chunk_tokens; between chunks new weights
-    # are loaded and the generation continues with them (each token records its version).
-    partial: bool = False
-    partial_chunk_tokens: int = 16
-
-    def __post_init__(self) -> None:
-        _check(self.n > 0, "n must be > 0")
-        _check(bool(self.backend), "backend must name a rollout backend (auto, native, hf, ...)")
-        _check(self.max_staleness >= 0, "max_staleness must be >= 0 (0: on-policy)")
-        _check(self.partial_chunk_tokens > 0, "partial_chunk_tokens must be > 0")
-        _check(self.val_n > 0, "val_n must be > 0")
-        _check(all(t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids >= 0")
-        _check(self.val_temperature >= 0, "val_temperature must be >= 0")
-        _check(self.temperature >= 0, "temperature must be >= 0")
-        _check(self.top_k >= 0, "top_k must be >= 0 (0 disables it)")
-        _check(0 < self.top_p <= 1, "top_p must be in (0, 1]")
-        _check(self.max_new_tokens > 0, "max_new_tokens must be > 0")
-        _check(0 <= self.min_new_tokens <= self.max_new_tokens,
-               "min_new_tokens must be in [0, max_new_tokens]")
-        _check(not self.multi_turn.enable or self.min_new_tokens == 0,
-               "min_new_tokens must be 0 with multi_turn.enable (a turn ends where the policy "
-               "stops it)")
-
-
-@dataclass
-class OptimConfig:
-    """AdamW with linear warmup and gradient clipping: the fields actor and critic share."""
-    lr: float = 3e-3
-    weight_decay: float = 0.0
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])
-    warmup_steps: int = 0           # linear warmup of the learning rate, in optimizer steps
-    grad_clip: float = 1.0          # max global grad norm; 0 disables clipping
-
-    def __post_init__(self) -> None:
-        _check(self.lr > 0, "lr must be > 0")
-        _check(self.weight_decay >= 0, "weight_decay must be >= 0")
-        _check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
-               "betas must be two numbers in [0, 1)")
-        _check(self.grad_clip >= 0, "grad_clip must be >= 0 (0 disables it)")
-        _check(self.warmup_steps >= 0, "warmup_steps must be >= 0")
-
-
-@dataclass
-class LoraConfig:
-    """LoRA adapters on the actor (peft): only they are trained; the reference policy is the
-    actor with its adapters off (no second copy of the model is loaded for it)."""
-    rank: int = 0           # r, the adapters' rank; 0: no LoRA, every weight is trained
-    alpha: float = 16.0     # the update is scaled by alpha / rank
-    # Linear layers that get adapters: peft's `all-linear` (every linear but the LM head), or
-    # module names such as [q_proj, k_proj, v_proj, o_proj].
-    target_modules: str | list[str] = "all-linear"
-    dropout: float = 0.0
-
-    def __post_init__(self) -> None:
-        _check(self.rank >= 0, "rank must be >= 0 (0: no LoRA)")
-        _check(self.alpha > 0, "alpha must be > 0")
-        _check(0 <= self.dropout < 1, "dropout must be in [0, 1)")
-        _check(bool(self.target_modules), "target_modules must name at least one module")
-
-
-@dataclass
-class ActorConfig(OptimConfig):
-    # Prompts per optimizer step, summed over workers (verl's ppo_mini_batch_size): a step's
-    # batch of train_batch_size prompts gives train_batch_size / mini_batch_size updates.
-    mini_batch_size: int = 32
-    # Samples per forward/backward on one worker; gradients accumulate over micro-batches.
-    micro_batch_size: int = 64
-    # Response tokens whose [tokens, vocab] logits are computed at once in a teacher-forced
-    # pass (the LM head runs in chunks, recomputed in backward): bounds the logits memory,
-    # e.g. 1024 x 49152 x 4 B = 0.2 GB for SmolLM2 instead of a whole micro-batch's. 0: all.
-    logits_chunk_tokens: int = 1024
-    # > 0: micro-batches are cut by this budget of real tokens (prompt + response) instead of
-    # micro_batch_size samples, longest samples first (verl's ppo_max_token_len_per_gpu); with
-    # model.share_prompts, the tokens the shared layout runs (each prompt once, the rows
-    # padded to the longest), a prompt's samples kept together.
-    max_tokens_per_micro_batch: int = 0
-    # Keep only each decoder layer's input during the update's forward and recompute the layer
-    # in backward (transformers' activation checkpointing): the saved activations shrink from
-    # every layer's intermediates to one hidden state per layer, for about one more forward
-    # (+30-45% update time on CPU). auto: off when `dagrl plan --memory`'s estimated peak
-    # without it fits in 85% of the memory free to this rank when the engines are built, on
-    # otherwise (engines/checkpointing_choice.py; the worker logs which and why).
-    activation_checkpointing: bool | Literal["auto"] = False
-    ppo_epochs: int = 1
-    # When a batch gets exactly one optimizer step (ppo_epochs=1, mini_batch_size =
-    # data.train_batch_size) and no KL penalty is folded into the reward, the policy that
-    # generated the batch is the one being updated: pi_old = pi, so the built-in graphs leave out
-    # the old_logprob forward pass and the loss uses pi.detach() (same values, same gradient; the
-    # ratio is exactly 1). false keeps the pass, e.g. to watch actor/rollout_logprob_gap.
-    skip_on_policy_old_logprob: bool = True
-    # torch.compile each decoder layer of the actor and the reference model (before FSDP2
-    # sharding, one compiled block reused by every layer). Pays on the update's forward and
-    # backward (-17% on the CPU e2e workload); the first step compiles (~8 s there), and a
-    # new sequence length may recompile once with dynamic shapes.
-    compile: bool = False
-    lora: LoraConfig = field(default_factory=LoraConfig)
-    # Tensor parallelism: heads, MLP columns and the vocabulary split over this many
-    # consecutive workers on top of FSDP2 (engines/tensor_parallel.py); the reference and the
-    # critic use the same mesh.
-    tensor_parallel_size: int = 1
-    # Ulysses sequence parallelism: every sequence split over this many workers
-    # (engines/ulysses.py). tp x sp workers form one data-parallel replica holding the same
-    # samples on each of its ranks; trainer.n_workers / (tp x sp) replicas.
-    sequence_parallel_size: int = 1
-    # FSDP2 CPU offload (verl's param_offload + optimizer_offload): the actor's parameter
-    # shards, gradients and AdamW state live in host memory; each FSDP unit's parameters are
-    # copied to the accelerator for its forward/backward only and the optimizer steps on the
-    # host. Frees ~16 bytes per parameter / workers of accelerator memory for host-device
-    # copies every pass. FSDP2 only: trainer.n_workers >= 2, no tensor/sequence parallelism.
-    # On a CPU worker the shards already live in host memory: nothing moves.
-    offload: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check(self.tensor_parallel_size > 0, "tensor_parallel_size must be > 0")
-        _check(self.sequence_parallel_size > 0, "sequence_parallel_size must be > 0")
-        _check(self.model_parallel_size == 1 or not self.compile,
-               "tensor_parallel_size / sequence_parallel_size > 1 with compile=true is not "
-               "supported yet")
-        _check(self.mini_batch_size > 0, "mini_batch_size must be > 0")
-        _check(self.micro_batch_size > 0, "micro_batch_size must be > 0")
-        _check(self.logits_chunk_tokens >= 0, "logits_chunk_tokens must be >= 0 (0: no chunks)")
-        _check(self.max_tokens_per_micro_batch >= 0,
-               "max_tokens_per_micro_batch must be >= 0 (0: micro_batch_size samples)")
-        _check(self.ppo_epochs > 0, "ppo_epochs must be > 0")
-
-    @property
-    def model_parallel_size(self) -> int:
-        """Workers per data-parallel replica: tensor_parallel_size x sequence_parallel_size."""
-        return self.tensor_parallel_size * self.sequence_parallel_size
-
-
-@dataclass
-class CriticConfig(OptimConfig):
-    """The value model (PPO). Built only when the graph has a values or critic_update node.
-    It steps on the actor's mini-batches (actor.mini_batch_size)."""
-    # Empty: initialised from model.path (the actor's checkpoint) with a new scalar head.
-    path: str = ""
-    micro_batch_size: int = 64
-    max_tokens_per_micro_batch: int = 0     # as actor.max_tokens_per_micro_batch
-    ppo_epochs: int = 1
-    cliprange_value: float = 0.5    # PPO2 value clipping around the old values
-    # Recompute each decoder layer in backward, as actor.activation_checkpointing.
-    activation_checkpointing: bool = False
-    # The critic's shards, gradients and AdamW state in host memory; as actor.offload.
-    offload: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check(self.micro_batch_size > 0, "micro_batch_size must be > 0")
-        _check(self.max_tokens_per_micro_batch >= 0,
-               "max_tokens_per_micro_batch must be >= 0 (0: micro_batch_size samples)")
-        _check(self.ppo_epochs > 0, "ppo_epochs must be > 0")
-        _check(self.cliprange_value > 0, "cliprange_value must be > 0")
-
-
-@dataclass
-class RefConfig:
-    micro_batch_size: int = 64      # samples per forward pass of the reference model
-    logits_chunk_tokens: int = 1024     # as actor.logits_chunk_tokens
-    max_tokens_per_micro_batch: int = 0     # as actor.max_tokens_per_micro_batch
-    # The reference's parameter shards in host memory, copied to the accelerator one FSDP unit
-    # at a time for its forward (verl's ref param_offload); as actor.offload.
-    offload: bool = False
-
-    def __post_init__(self) -> None:
-        _check(self.micro_batch_size > 0, "micro_batch_size must be > 0")
-        _check(self.max_tokens_per_micro_batch >= 0,
-               "max_tokens_per_micro_batch must be >= 0 (0: micro_batch_size samples)")
-        _check(self.logits_chunk_tokens >= 0, "logits_chunk_tokens must be >= 0 (0: no chunks)")
+        require(len(self.train_files) > 0, "train_files must list at least one parquet file")
+        require(self.val_batch_size > 0, "val_batch_size must be > 0")
+        require(self.train_batch_size > 0, "train_batch_size must be > 0")
+        require(self.max_prompt_length > 0, "max_prompt_length must be > 0")
+        require(self.max_image_pixels >= 0, "max_image_pixels must be >= 0 (0: no limit)")
 
 
 @dataclass
@@ -409,13 +154,13 @@ class RewardConfig:
     timeout_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _check(self.overlong_buffer_len >= 0, "overlong_buffer_len must be >= 0")
-        _check(self.num_workers >= 0, "num_workers must be >= 0 (0: score in this process)")
-        _check(self.timeout_s >= 0, "timeout_s must be >= 0 (0: no limit)")
-        _check(self.timeout_s == 0 or self.num_workers > 0,
+        require(self.overlong_buffer_len >= 0, "overlong_buffer_len must be >= 0")
+        require(self.num_workers >= 0, "num_workers must be >= 0 (0: score in this process)")
+        require(self.timeout_s >= 0, "timeout_s must be >= 0 (0: no limit)")
+        require(self.timeout_s == 0 or self.num_workers > 0,
                "timeout_s needs num_workers > 0: a scorer running in the trainer's own process "
                "cannot be cut off")
-        _check(not (self.scorer and self.custom_fn),
+        require(not (self.scorer and self.custom_fn),
                "scorer and custom_fn are both set; keep one (each scores every sample)")
         # The scorer's name is checked against the registry by dagrl.train before any work
         # starts (the registry lives in the rewards layer, above config).
@@ -500,17 +245,17 @@ class TrainerConfig:
     mode: Literal["sync", "async"] = "sync"
 
     def __post_init__(self) -> None:
-        _check(self.total_steps > 0, "total_steps must be > 0")
-        _check(self.fsdp_shard_size >= 0, "fsdp_shard_size must be >= 0 (0: all workers)")
-        _check(self.placement_timeout_s > 0, "placement_timeout_s must be > 0")
-        _check(self.n_workers > 0, "n_workers must be > 0")
-        _check(self.torch_threads >= 0, "torch_threads must be >= 0")
-        _check(self.async_trainer_threads >= 0, "async_trainer_threads must be >= 0")
-        _check(self.val_every >= 0, "val_every must be >= 0 (0 disables validation)")
-        _check(self.save_every >= 0, "save_every must be >= 0 (0: only the final checkpoint)")
-        _check(self.keep_last >= 0, "keep_last must be >= 0 (0 keeps every checkpoint)")
-        _check(self.max_restarts >= 0, "max_restarts must be >= 0")
-        _check(bool(self.resume), 'resume must be "auto", "never" or a checkpoint path')
+        require(self.total_steps > 0, "total_steps must be > 0")
+        require(self.fsdp_shard_size >= 0, "fsdp_shard_size must be >= 0 (0: all workers)")
+        require(self.placement_timeout_s > 0, "placement_timeout_s must be > 0")
+        require(self.n_workers > 0, "n_workers must be > 0")
+        require(self.torch_threads >= 0, "torch_threads must be >= 0")
+        require(self.async_trainer_threads >= 0, "async_trainer_threads must be >= 0")
+        require(self.val_every >= 0, "val_every must be >= 0 (0 disables validation)")
+        require(self.save_every >= 0, "save_every must be >= 0 (0: only the final checkpoint)")
+        require(self.keep_last >= 0, "keep_last must be >= 0 (0 keeps every checkpoint)")
+        require(self.max_restarts >= 0, "max_restarts must be >= 0")
+        require(bool(self.resume), 'resume must be "auto", "never" or a checkpoint path')
 
 
 @dataclass
@@ -537,9 +282,9 @@ class LoggingConfig:
     val_generations: int = 0
 
     def __post_init__(self) -> None:
-        _check(self.console_every > 0, "console_every must be > 0")
-        _check(self.val_generations >= 0, "val_generations must be >= 0 (0: none)")
-        _check(bool(self.project), "project must not be empty")
+        require(self.console_every > 0, "console_every must be > 0")
+        require(self.val_generations >= 0, "val_generations must be >= 0 (0: none)")
+        require(bool(self.project), "project must not be empty")
 
 
 @dataclass
@@ -556,9 +301,9 @@ class ProfilerConfig:
     ranks: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        _check(len(self.steps) > 0 and all(s > 0 for s in self.steps),
+        require(len(self.steps) > 0 and all(s > 0 for s in self.steps),
                "steps must list at least one step number > 0")
-        _check(all(r >= 0 for r in self.ranks), "ranks must be >= 0")
+        require(all(r >= 0 for r in self.ranks), "ranks must be >= 0")
 
 
 @dataclass
@@ -583,27 +328,27 @@ class Config:
 
     def __post_init__(self) -> None:
         # Cross-section checks: the batch must split evenly into mini-batches and workers.
-        _check(self.data.train_batch_size % self.actor.mini_batch_size == 0,
+        require(self.data.train_batch_size % self.actor.mini_batch_size == 0,
                f"actor.mini_batch_size ({self.actor.mini_batch_size}) must divide "
                f"data.train_batch_size ({self.data.train_batch_size})")
         a, workers = self.actor, self.trainer.n_workers
         shard_size = self.trainer.fsdp_shard_size
-        _check(not shard_size or workers % shard_size == 0,
+        require(not shard_size or workers % shard_size == 0,
                f"trainer.fsdp_shard_size ({shard_size}) must divide "
                f"trainer.n_workers ({workers})")
-        _check(workers % a.model_parallel_size == 0,
+        require(workers % a.model_parallel_size == 0,
                f"actor.tensor_parallel_size ({a.tensor_parallel_size}) x "
                f"actor.sequence_parallel_size ({a.sequence_parallel_size}) must divide "
                f"trainer.n_workers ({workers})")
         for key, on in (("actor.offload", a.offload), ("ref.offload", self.ref.offload),
                         ("critic.offload", self.critic.offload)):
-            _check(not on or workers > 1,
+            require(not on or workers > 1,
                    f"{key}=true offloads FSDP2 shards, and one worker holds its models whole "
                    "(nothing is sharded); it needs trainer.n_workers >= 2")
-        _check(not (self.ref.offload and a.lora.rank),
+        require(not (self.ref.offload and a.lora.rank),
                "ref.offload=true with actor.lora.rank > 0: the reference is the actor with its "
                "adapters off (no model of its own); set actor.offload instead")
-        _check(self.actor.mini_batch_size % workers == 0,
+        require(self.actor.mini_batch_size % workers == 0,
                f"actor.mini_batch_size ({self.actor.mini_batch_size}) must be divisible by "
                f"trainer.n_workers ({workers})")
         # rollout.backend's own refusals (vLLM and GGUF or float64, a server without URLs or a
@@ -615,26 +360,26 @@ class Config:
         # Each extra model's full config, built (and checked) once.
         self.derived_models: dict[str, Config] = derive_model_configs(self)
         p = self.profiler
-        _check(not p.enable or max(p.steps) <= self.trainer.total_steps,
+        require(not p.enable or max(p.steps) <= self.trainer.total_steps,
                f"profiler.steps {p.steps} lie beyond trainer.total_steps "
                f"({self.trainer.total_steps})")
-        _check(not p.enable or all(r < self.trainer.n_workers for r in p.ranks),
+        require(not p.enable or all(r < self.trainer.n_workers for r in p.ranks),
                f"profiler.ranks {p.ranks} must be < trainer.n_workers ({self.trainer.n_workers})")
 
     def _check_reward_source(self) -> None:
         r = self.reward
-        _check(r.source != "reward_model" or bool(self.reward_model.path),
+        require(r.source != "reward_model" or bool(self.reward_model.path),
                "reward.source=reward_model needs reward_model.path (a sequence-classification "
                "model directory or builtin:tiny-digit-rm)")
-        _check(r.source != "judge" or bool(self.judge.path),
+        require(r.source != "judge" or bool(self.judge.path),
                "reward.source=judge needs judge.path (a causal LM directory)")
-        _check(r.source == "rule" or not (r.custom_fn or r.scorer),
+        require(r.source == "rule" or not (r.custom_fn or r.scorer),
                f"reward.custom_fn / reward.scorer score rule rewards, but reward.source is "
                f"{r.source!r}; unset them or set reward.source=rule")
-        _check(r.source == "rule" or not self.algorithm.gdpo_reward_keys,
+        require(r.source == "rule" or not self.algorithm.gdpo_reward_keys,
                "algorithm.gdpo_reward_keys reads the rule scorer's reward components; "
                "reward.source must be rule")
-        _check(r.source == "rule" or self.algorithm.name != "remax",
+        require(r.source == "rule" or self.algorithm.name != "remax",
                "algorithm.name=remax scores its greedy baseline with the rule scorers; "
                "reward.source must be rule")
 
@@ -666,7 +411,7 @@ def _check_multi_turn(cfg: Config) -> None:
         return
     # An environment's per-turn rewards and a reward model's or judge's episode score add
     # (roles/score.py: place_outcome_scores).
-    _check(cfg.algorithm.adv_estimator != "optimal_token_baseline",
+    require(cfg.algorithm.adv_estimator != "optimal_token_baseline",
            "algorithm.adv_estimator=optimal_token_baseline aligns responses by column, which "
            "multi-turn masks (tool tokens in the gaps) break; use tir_optimal_token_baseline")
 
@@ -674,13 +419,13 @@ def _check_multi_turn(cfg: Config) -> None:
 def _check_async(cfg: Config) -> None:
     """trainer.mode=async: rollout and training on different workers (docs/async.md)."""
     r, t = cfg.rollout, cfg.trainer
-    _check(not r.partial or cfg.is_async, "rollout.partial needs trainer.mode=async")
-    _check(not t.async_trainer_threads or cfg.is_async,
+    require(not r.partial or cfg.is_async, "rollout.partial needs trainer.mode=async")
+    require(not t.async_trainer_threads or cfg.is_async,
            "trainer.async_trainer_threads needs trainer.mode=async (a sync rank both generates "
            "and trains: trainer.torch_threads sets its threads)")
     if not cfg.is_async:
         return
-    _check(t.n_workers >= 2, f"trainer.mode=async needs trainer.n_workers >= 2 (rollout and "
+    require(t.n_workers >= 2, f"trainer.mode=async needs trainer.n_workers >= 2 (rollout and "
                              f"training run on different workers), got {t.n_workers}")
     # Whether rollout.backend can serve async mode (take each new policy's weights, and be
     # built on the rollout ranks alone) is the backend's own check (RolloutBackend.check_config),
