@@ -6,7 +6,9 @@ max_staleness=0 an async run reproduces the sync run, so each composition is che
   validation (on the trainer ranks, with their own rollout engine refreshed at validation
   steps) and the profiler (one merged trace of both sides);
 - DAPO's filter (on the rollout side, where `more()` reads fresh prompts) with a reward model
-  (scoring on the rollout side).
+  (scoring on the rollout side);
+- an agent on an image-text model (each episode's pictures, read again by every turn, cross
+  the async buffer with its turns).
 """
 
 from __future__ import annotations
@@ -35,6 +37,14 @@ AGENT = [str(ROOT / "examples" / "tool_calc.yaml"), "data.train_batch_size=8",
          "actor.mini_batch_size=8", "rollout.n=4", "trainer.total_steps=3",
          "data.val_files=[builtin:tool-calc]", "trainer.val_every=2", "rollout.val_n=1",
          "profiler.enable=true", "profiler.steps=[2]", "algorithm.kl_loss_coef=0"]
+# tests/test_vision_multi_turn.py's run: the picture task, 3 turns with an environment.
+VISION_AGENT = ["model.path=builtin:tiny-qwen2.5-vl", "data.train_files=[builtin:shapes]",
+                "data.val_files=[]", "data.max_prompt_length=128", "data.train_batch_size=8",
+                "actor.mini_batch_size=8", "rollout.n=4", "trainer.total_steps=3",
+                "trainer.save_final=false", "rollout.max_new_tokens=32",
+                "rollout.multi_turn.enable=true", "rollout.multi_turn.environment=guess_number",
+                "rollout.multi_turn.max_turns=3", "rollout.multi_turn.max_tokens_per_turn=2",
+                "rollout.multi_turn.format=tiny"]
 FILTERED = ["algorithm.name=dapo", "reward.source=reward_model",
             "reward_model.path=builtin:tiny-digit-rm", "data.train_batch_size=8",
             "actor.mini_batch_size=8", "rollout.n=4", "trainer.total_steps=3"]
@@ -88,3 +98,11 @@ def test_async_dapo_filter_with_a_reward_model_reproduces_sync(tmp_path):
     reference = sync_one_worker(tmp_path / "sync", FILTERED)
     ours = async_torchrun(tmp_path / "async", FILTERED)
     assert_same(ours, reference, COMPARED + ["filter/keep_rate", "filter/rounds"])
+
+
+def test_async_agent_on_an_image_text_model_reproduces_sync(tmp_path):
+    reference = sync_one_worker(tmp_path / "sync", VISION_AGENT)
+    ours = async_torchrun(tmp_path / "async", VISION_AGENT)
+    assert_same(ours, reference, COMPARED + ["multi_turn/turns_mean", "actor/entropy"])
+    # Episodes went on after the environment's first answer: later turns read the picture.
+    assert all(m["multi_turn/turns_mean"] > 1.5 for m in ours)
