@@ -60,13 +60,18 @@ def test_skipping_the_on_policy_old_logprob_pass_changes_nothing(tmp_path):
             assert ms[key] == pytest.approx(mk[key], rel=1e-4, abs=1e-7), key
 
 
-@pytest.mark.slow   # torch.compile's C++ build on the CPU: ~17 s
-def test_compiled_layers_train_like_eager_ones(tmp_path):
+@pytest.mark.slow   # torch.compile's C++ build on the CPU: ~17 s, ~60 s with shared prompts
+@pytest.mark.parametrize("layout", [(), ("model.share_prompts=true",)],
+                         ids=["padded", "shared-prompts"])
+def test_compiled_layers_train_like_eager_ones(tmp_path, layout):
+    """Compiled decoder layers give the eager run's losses, in the padded layout and in the
+    shared-prompt one (a group in one row under a tree mask whose shape changes per
+    micro-batch)."""
     # A KL term, so the reference model's compiled layers run too.
     compiled, _ = run(tmp_path, "trainer.total_steps=2", "actor.compile=true",
-                            "algorithm.kl_loss_coef=0.001", name="compiled")
+                      "algorithm.kl_loss_coef=0.001", *layout, name="compiled")
     reference, _ = run(tmp_path, "trainer.total_steps=2", "algorithm.kl_loss_coef=0.001",
-                       name="reference")
+                       *layout, name="reference")
     for mc, me in zip(compiled, reference, strict=True):
         assert mc["reward/mean"] == me["reward/mean"]
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl"):
