@@ -142,6 +142,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if launcher_args:
         from dagrl.runtime.torchrun_launcher import launch_torchrun
 
+        # The files and the reward function once, here, before torchrun starts a worker per
+        # rank to import the model code and check everything again.
+        if _files_refused(cfg, ns.debug):
+            return 1
         return launch_torchrun(launcher_args, ns.args, ns.debug)
     from dagrl.runtime.distributed import env_world
 
@@ -157,6 +161,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.flush()
         os._exit(code)
     return _launch(cfg, ns.debug)
+
+
+def _files_refused(cfg: Config, debug: bool) -> bool:
+    """input_checks.check_file_inputs in this process: True when it refused (one line said)."""
+    from dagrl.runtime.failures import Failure, report
+    from dagrl.runtime.input_checks import check_file_inputs
+
+    try:
+        check_file_inputs(cfg)
+    except Exception as err:
+        failure = Failure.of(err)
+        if not failure.user:   # a bug: its traceback, as the workers would show it
+            raise
+        report(failure, None, debug)
+        return True
+    return False
 
 
 def _launch(cfg: Config, debug: bool) -> int:

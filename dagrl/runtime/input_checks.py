@@ -52,34 +52,57 @@ if TYPE_CHECKING:
 
 def check_inputs(cfg: Config) -> None:
     """Raise the first problem with `cfg`'s inputs; write nothing."""
+    check_file_inputs(cfg)
+    check_model_inputs(cfg)
+
+
+def check_file_inputs(cfg: Config) -> None:
+    """What reads files alone (no model code: well under a second): the logging backends,
+    the model directory, the reward function (imported, then called on the first row), the
+    datasets, the run and checkpoint directories."""
     check_backends_installed(cfg.logging)
     check_model_sources(cfg)
     check_reward(cfg)
-    t = cfg.trainer
-    data_keys = ["train_files"]
-    if cfg.validates:
-        data_keys.append("val_files")
-    for key in data_keys:
+    for key in data_keys(cfg):
         check_datasets(cfg, key)
     r = cfg.reward
     # With reward.timeout_s the scorer may hang by design: only its pool can stop it.
     if r.custom_fn and r.source == "rule" and r.on_error == "raise" and not r.timeout_s:
         probe_reward(cfg, load_function(r.custom_fn, isolated=True))
-    run_dir = Path(t.run_dir or "runs")
-    check_dir_usable(run_dir, "trainer.run_dir")
-    checkpoint_root = Path(t.checkpoint_dir) if t.checkpoint_dir else run_dir / "checkpoints"
-    check_dir_usable(checkpoint_root, "trainer.checkpoint_dir")
-    # From here on, torch and transformers are imported.
+    check_dir_usable(run_dir_of(cfg), "trainer.run_dir")
+    check_dir_usable(checkpoint_root(cfg), "trainer.checkpoint_dir")
+
+
+def check_model_inputs(cfg: Config) -> None:
+    """What needs the model code (torch, transformers: seconds to import): the graph and its
+    roles, the heads against tensor / sequence parallelism, the prompts' token lengths, the
+    checkpoint a resume would start from."""
     check_graph(cfg)
     from dagrl.runtime.preflight import check_model_parallel
 
     check_model_parallel(cfg)
-    check_prompt_lengths(cfg, data_keys)
-    check_resume_model(cfg, checkpoint_root)
+    check_prompt_lengths(cfg, data_keys(cfg))
+    check_resume_model(cfg, checkpoint_root(cfg))
 
 
-def check_resume_model(cfg: Config, checkpoint_root: Path) -> None:
-    """The checkpoint a resume would start from (trainer.resume under `checkpoint_root`) exists
+def data_keys(cfg: Config) -> list[str]:
+    """The data settings whose files the run reads."""
+    return ["train_files", "val_files"] if cfg.validates else ["train_files"]
+
+
+def run_dir_of(cfg: Config) -> Path:
+    """The run directory as the launcher will resolve it (its default parent when unset)."""
+    return Path(cfg.trainer.run_dir or "runs")
+
+
+def checkpoint_root(cfg: Config) -> Path:
+    """Where the run's checkpoints go: trainer.checkpoint_dir, else under the run directory."""
+    t = cfg.trainer
+    return Path(t.checkpoint_dir) if t.checkpoint_dir else run_dir_of(cfg) / "checkpoints"
+
+
+def check_resume_model(cfg: Config, root: Path) -> None:
+    """The checkpoint a resume would start from (trainer.resume under `root`) exists
     and was written for the configured model (its identity in the manifest, or, for a
     checkpoint older than that, its hf/ files); compared from configs and vocabularies only,
     before anything is built."""
@@ -87,7 +110,7 @@ def check_resume_model(cfg: Config, checkpoint_root: Path) -> None:
     from dagrl.engines.models import load_tokenizer
     from dagrl.runtime.checkpoint import CheckpointError, resolve_resume
 
-    checkpoint = resolve_resume(cfg.trainer.resume, checkpoint_root)
+    checkpoint = resolve_resume(cfg.trainer.resume, root)
     if checkpoint is None:
         return
     saved = (read_manifest(checkpoint) or {}).get("model")

@@ -82,11 +82,14 @@ def launch(cmd: list[str], timeout: float = 300):
     ("dagrl-torchrun", "config")])
 def test_bad_input_with_two_workers_is_one_line(tmp_path, launcher, kind):
     overrides, error, shown = bad_input(tmp_path, kind)
-    proc, _ = launch(LAUNCHERS[launcher](f"trainer.run_dir={tmp_path / 'run'}", *SMALL,
-                                         *overrides))
+    proc, started = launch(LAUNCHERS[launcher](f"trainer.run_dir={tmp_path / 'run'}", *SMALL,
+                                               *overrides))
     assert proc.returncode != 0
     assert_one_error_line(proc, error, shown)
     assert not (tmp_path / "run").exists()
+    if launcher == "dagrl-torchrun" and kind == "data":
+        # dagrl's launcher checks the files itself before torchrun's agent starts any worker
+        assert not started, started
     if launcher != "torchrun":   # the line is the whole output (torchrun adds its summary)
         assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
     else:                   # no worker traceback; torchrun's root cause is our line
