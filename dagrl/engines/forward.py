@@ -20,6 +20,7 @@ from dagrl.data.vision import (
     rope_positions,
     unemittable_tokens,
 )
+from dagrl.engines.attention import NAME as GROUPED_ATTENTION
 from dagrl.engines.head_stats import head_token_stats
 from dagrl.engines.micro_batches import micro_batches
 from dagrl.engines.shared_prompts import shared_prompt_inputs
@@ -101,10 +102,13 @@ def _shared_prompt_kwargs(model: torch.nn.Module, prompt_ids, prompt_mask, respo
     [G * T] indices of the positions predicting each used response token."""
     shared = shared_prompt_inputs(prompt_ids, prompt_mask, responses, response_mask,
                                   attention_mask)
-    mask = shared.attention_mask(model.config._attn_implementation,
-                                 model.get_input_embeddings().weight.dtype)
-    return ({"input_ids": shared.input_ids, "position_ids": shared.position_ids,
-             "attention_mask": mask}, shared.predicting)
+    attn, dtype = model.config._attn_implementation, model.get_input_embeddings().weight.dtype
+    kwargs = {"input_ids": shared.input_ids, "position_ids": shared.position_ids,
+              "attention_mask": shared.attention_mask(attn, dtype)}
+    blocks = shared.attention_blocks(dtype) if attn == GROUPED_ATTENTION else None
+    if blocks is not None:   # transformers passes it through to the attention (attention.py)
+        kwargs["attention_blocks"] = blocks
+    return kwargs, shared.predicting
 
 
 def _check_layout(model: torch.nn.Module, share_prompts: bool, images) -> None:
