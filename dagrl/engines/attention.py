@@ -20,9 +20,10 @@ float32, 2 threads: forward and backward of the model as fast as before).
 
 A shared-prompt micro-batch (shared_prompts.py) also passes `attention_blocks`: its rows' tree
 mask leaves every response's scores against the row's other responses masked, most of the row's
-[T, T] scores, so the kernel computes the two dense blocks that hold the allowed ones instead
+[T, T] scores, so the kernel computes the dense blocks that hold the allowed ones instead
 (cascade attention): SmolLM2, one group of 60 + 4 x 128 tokens, float32, 2 threads, forward
-and backward of the model 6.6 -> 4.6 s (`python scripts/update_memory_probe.py --repeat 3`).
+and backward of the model 6.94 -> 5.34 s (`python scripts/update_memory_probe.py --repeat 4`,
+the rows and the blocks taking turns).
 
 `resolve_attn_implementation("auto", device)` picks it on CPU and SDPA elsewhere (GPU kernels
 are fused and fast there).
