@@ -65,15 +65,16 @@ class SharedPromptInputs:
         rows, width = self.input_ids.shape
         prompt_width = max(self.prompt_lengths)
         buckets = _length_buckets([n for _, _, n in self.spans], prompt_width)
+        sizes = [(len(b), self.spans[b[0]][2]) for b in buckets]        # (Rb, Lb) per block
         block_scores = rows * prompt_width ** 2 + sum(
-            len(b) * self.spans[b[0]][2] * (prompt_width + self.spans[b[0]][2]) for b in buckets)
+            n * length * (prompt_width + length) for n, length in sizes)
         if block_scores >= rows * width ** 2:
             return None
         device = self.input_ids.device
         causal = torch.ones(prompt_width, prompt_width, dtype=torch.bool, device=device).tril()
         # Output of column c of row g: the prompt block's while c is in the prompt, a response
         # block's at the span's position, else (padding) the zero row after every block.
-        zero_row = rows * prompt_width + sum(len(b) * self.spans[b[0]][2] for b in buckets)
+        zero_row = rows * prompt_width + sum(n * length for n, length in sizes)
         index = torch.full((rows * width,), zero_row, dtype=torch.long, device=device)
         for g, length in enumerate(self.prompt_lengths):
             index[g * width:g * width + length] = torch.arange(
@@ -86,7 +87,7 @@ class SharedPromptInputs:
             index[columns] = offset + positions
             blocks.append(block)
             offset += block.columns.numel()
-        return AttentionBlocks(_additive(causal.expand(rows, 1, -1, -1), dtype), blocks, index)
+        return AttentionBlocks(_additive(causal[None, None], dtype), blocks, index)
 
 
 @dataclass
@@ -102,8 +103,8 @@ class AttentionBlocks:
     """Cascade attention of a shared-prompt micro-batch (G rows of T columns): the prompts'
     block, the responses' blocks (responses of similar length together, so that few scores
     are padding), and where each column's output is. See the module docstring."""
-    prompt_mask: torch.Tensor        # [G, 1, Pm, Pm]: causal (the outputs of columns past a
-    #                                  row's prompt are not read)
+    prompt_mask: torch.Tensor        # [1, 1, Pm, Pm]: causal, the same for every row (the
+    #                                  outputs of columns past a row's prompt are not read)
     responses: list[ResponseBlock]
     output_index: torch.Tensor       # [G * T] into [prompt block (G * Pm) | each response
     #                                  block (Rb * Lb) | a zero row (padding columns)]
