@@ -73,7 +73,7 @@ def test_greedy_outputs_are_equal_on_trained_weights(trained):
 def test_vllm_over_several_workers_needs_the_rollout_node_on_every_rank(tmp_path):
     # vLLM's engines join the process group together: a rank without one would hang the rest.
     from dagrl.roles.plan import plan_for
-    from dagrl.runtime.worker import _check_rollout_on_every_rank
+    from dagrl.runtime.worker_build import check_rollout_on_every_rank
 
     graph = tmp_path / "g.yaml"
     graph.write_text("name: g\nnodes:\n"
@@ -84,6 +84,6 @@ def test_vllm_over_several_workers_needs_the_rollout_node_on_every_rank(tmp_path
     cfg = load_config(Config, None, ["rollout.backend=vllm", "trainer.n_workers=2",
                                      f"dag.graph={graph}", "algorithm.kl_loss_coef=0"])
     with pytest.raises(ValueError, match=r"rollout node on every rank .*; ranks \[1\]"):
-        _check_rollout_on_every_rank(plan_for(cfg, 2)[2], "vllm")
+        check_rollout_on_every_rank(plan_for(cfg, 2)[2], "vllm")
     everywhere = load_config(Config, None, ["rollout.backend=vllm", "trainer.n_workers=2"])
-    _check_rollout_on_every_rank(plan_for(everywhere, 2)[2], "vllm")   # the built-in graph: fine
+    check_rollout_on_every_rank(plan_for(everywhere, 2)[2], "vllm")   # the built-in graph: fine
