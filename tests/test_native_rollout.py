@@ -8,8 +8,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from dagrl.engines.forward import response_logprobs
 from dagrl.engines.models import load_model, load_tokenizer, write_tiny_model
-from dagrl.rollout import model_rollout
-from dagrl.rollout import native_decoder as fast_generator
+from dagrl.rollout import model_rollout, native_ops
 from dagrl.rollout.hf import HFRollout
 from dagrl.rollout.native import NativeRollout
 from dagrl.rollout.native_decoder import FastDecoder, fast_path_unsupported
@@ -50,7 +49,7 @@ def test_greedy_identical_to_transformers_generate(setup, monkeypatch, limits):
     attentions (matmul-softmax, SDPA) and weights multiplied in row blocks reproduce
     generate's tokens."""
     for name, value in limits.items():
-        monkeypatch.setattr(fast_generator, name, value)
+        monkeypatch.setattr(native_ops, name, value)
     model, tok, ids, mask = setup
     fast, _ = generators(model, tok)
     ours = fast.generate(ids, mask, seeds_for(len(PROMPTS)), SamplingParams(temperature=0),
@@ -257,9 +256,9 @@ def test_right_padded_prompts_are_refused(setup):
 def test_lm_head_blocks_give_row_major_logits(monkeypatch):
     """The decode LM head in vocabulary blocks (the last one partial), each transposed into a
     row-major result, equals F.linear."""
-    monkeypatch.setattr(fast_generator, "WEIGHT_MAJOR_CHUNK_ROWS", 32)
+    monkeypatch.setattr(native_ops, "WEIGHT_MAJOR_CHUNK_ROWS", 32)
     torch.manual_seed(0)
     x, weight = torch.randn(5, 16), torch.randn(100, 16)
-    logits = fast_generator._lm_head(x, weight)
+    logits = native_ops.head_logits(x, weight)
     assert logits.shape == (5, 100) and logits.is_contiguous()
     torch.testing.assert_close(logits, torch.nn.functional.linear(x, weight), rtol=1e-6, atol=1e-6)

@@ -7,7 +7,7 @@ Why it is faster than calling the HF model once per step:
 - q/k/v and gate/up are one matmul each over fused tensors that are the modules' own storage
   (`_fuse`), so `update_weights` updates them in place and no second copy of the weights exists;
 - decode steps keep activations feature-major and multiply W @ x^T, the operand order MKL runs
-  faster for few rows (`_project`);
+  faster for few rows (`project`; the ops are rollout/native_ops.py);
 - the prefill packs the real prompt tokens (no compute on padding), computes rows that share a
   prompt once, uses matmul-softmax attention for short prompts and only computes logits at each
   row's last prompt token;
@@ -29,7 +29,16 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from dagrl.device import is_host
+from dagrl.rollout.native_ops import (
+    DecodeAttention,
+    PrefillAttention,
+    head_logits,
+    is_feature_major,
+    project,
+    rms_norm,
+    rope,
+    to_step_layout,
+)
 from dagrl.rollout.sampling import (
     SamplingParams,
     logprob_temperature,
@@ -39,14 +48,6 @@ from dagrl.rollout.sampling import (
 
 if TYPE_CHECKING:   # transformers loads in seconds: not when only a config is checked
     from transformers import PreTrainedModel
-
-# Steps with fewer token rows than this run feature-major (see `_project`).
-WEIGHT_MAJOR_MAX_ROWS = 512
-# ... and multiply weights with more output rows than this in blocks of this many.
-WEIGHT_MAJOR_CHUNK_ROWS = 4096
-# Prefill attention materialises its [A, heads, P, P] scores up to this many elements (64 MiB
-# in float32), faster than SDPA's CPU kernel for short prompts; longer prompts use SDPA.
-MATH_ATTENTION_MAX_SCORES = 2**24
 
 SUPPORTED_CLASSES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
@@ -119,7 +120,7 @@ def _fuse(linears: Sequence[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tenso
 
 @dataclass
 class _LayerWeights:
-    in_norm: torch.Tensor             # [H]  sqrt(H) times the norm weight (see `_rms_norm`)
+    in_norm: torch.Tensor             # [H]  sqrt(H) times the norm weight (see `rms_norm`)
     qkv: torch.Tensor                 # [(nh + 2 nkv) * hd, H]  q, k, v projections stacked
     qkv_bias: torch.Tensor | None
     o: torch.Tensor                   # [H, nh * hd]
@@ -129,159 +130,6 @@ class _LayerWeights:
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor                # [H, I]
     down_bias: torch.Tensor | None
-
-
-def _project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """F.linear: x [M, K] @ weight [N, K]^T (+ bias) -> [M, N], with MKL's faster operand order.
-
-    Few rows on the host CPU (decoding, M < WEIGHT_MAJOR_MAX_ROWS): computed as (W @ x^T)^T,
-    which MKL's sgemm runs faster than x @ W^T. The result is a transposed view
-    ("feature-major" memory): the decoder keeps its whole residual stream in that layout, so
-    elementwise ops never mix layouts. Many rows (prefill) keep F.linear, which is faster
-    there. Both orders give the same sums: the results equal F.linear's bit for bit on this
-    build. Measurements: docs/performance.md.
-    """
-    if x.shape[0] >= WEIGHT_MAJOR_MAX_ROWS or not _weight_major_pays(x):
-        return F.linear(x, weight, bias)
-    if weight.shape[0] <= WEIGHT_MAJOR_CHUNK_ROWS:
-        out = torch.mm(weight, x.t())                                  # [N, M]
-    else:
-        # A large weight in blocks of rows: MKL blocks one huge product less well (same sums).
-        out = x.new_empty(weight.shape[0], x.shape[0])
-        for start in range(0, weight.shape[0], WEIGHT_MAJOR_CHUNK_ROWS):
-            stop = start + WEIGHT_MAJOR_CHUNK_ROWS
-            torch.mm(weight[start:stop], x.t(), out=out[start:stop])
-    out = out.t()                                                      # [M, N], strides (1, M)
-    return out if bias is None else out + bias
-
-
-def _lm_head(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Logits x [M, H] @ weight [V, H]^T -> [M, V] row-major (the sampler reduces over V).
-
-    Decode-sized steps on CPU take `_project`'s W @ x^T order in blocks of vocabulary rows,
-    each block transposed into the row-major result while it is still in cache: faster than
-    one transposing copy of the whole [V, M] product, same values (docs/performance.md).
-    """
-    rows = x.shape[0]
-    if rows >= WEIGHT_MAJOR_MAX_ROWS or not _weight_major_pays(x) \
-            or weight.shape[0] <= WEIGHT_MAJOR_CHUNK_ROWS:
-        return _project(x, weight, None).contiguous()
-    out = x.new_empty(rows, weight.shape[0])
-    block = x.new_empty(WEIGHT_MAJOR_CHUNK_ROWS, rows)
-    for start in range(0, weight.shape[0], WEIGHT_MAJOR_CHUNK_ROWS):
-        part = weight[start:start + WEIGHT_MAJOR_CHUNK_ROWS]
-        torch.mm(part, x.t(), out=block[:part.shape[0]])
-        out[:, start:start + part.shape[0]].copy_(block[:part.shape[0]].t())
-    return out
-
-
-def _weight_major_pays(x: torch.Tensor) -> bool:
-    """The operand-order choice is measured on the host CPU (MKL); accelerators keep F.linear."""
-    return is_host(x)
-
-
-def _rms_norm(x: torch.Tensor, root_h_weight: torch.Tensor, h_eps: torch.Tensor) -> torch.Tensor:
-    """RMSNorm over the last axis, x * rsqrt(mean x^2 + eps) * w, written as
-    x * rsqrt(sum x^2 + H eps) * (sqrt(H) w) with `root_h_weight` = sqrt(H) w and `h_eps` =
-    H eps (a 0-dim tensor of x's dtype) precomputed: a sum is cheaper than a mean on these
-    small tensors, and a tensor epsilon skips wrapping and casting a Python scalar on every
-    call (docs/performance.md). The result keeps x's memory layout; it differs from HF's by
-    float rounding only."""
-    return x * (x * x).sum(-1, keepdim=True).add_(h_eps).rsqrt_() * root_h_weight
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF convention) in 4 ops: x [M, heads, hd], cos/signed_sin [M, 1, hd]
-    in x's memory layout (feature-major in decode steps: one layout, so the ops vectorise).
-
-    HF's rotate_half(x) * sin = cat(-x2, x1) * sin = roll(x, hd/2) * cat(-sin1, sin2): the sign
-    moves into the table (exact in floating point), saving the negation and the concatenation.
-    `roll` writes a row-major result; on a feature-major x it runs on the permuted (contiguous)
-    view instead, so its result keeps x's layout (faster; see docs/performance.md).
-    """
-    half = x.shape[-1] // 2
-    if _is_feature_major(x):
-        rolled = x.permute(1, 2, 0).roll(half, dims=1).permute(2, 0, 1)
-    else:
-        rolled = x.roll(half, dims=-1)
-    return x * cos + rolled * signed_sin
-
-
-def _is_feature_major(x: torch.Tensor) -> bool:
-    return x.shape[0] > 1 and x.stride(0) == 1
-
-
-def _feature_major(x: torch.Tensor) -> torch.Tensor:
-    """The same [M, H] values stored transposed (strides (1, M)), the decoder's layout for
-    few-row steps (see `_project`)."""
-    return x.t().contiguous().t()
-
-
-@dataclass
-class _Prefill:
-    """Causal attention over packed prompt tokens: token m sits in cache row `row[m]`, column
-    `col[m]`; only real tokens run through the projections and MLPs (no padding compute).
-
-    The attention itself runs padded, [A, heads, P, hd]: queries are scattered into a zero
-    tensor and `bias` [A, 1, P, P] masks future and padding columns (pad query rows attend to
-    themselves, so no softmax row is empty; their outputs are never gathered). Short prompts
-    use plain matmul-softmax-matmul, faster than SDPA's CPU kernel there (docs/performance.md);
-    long ones SDPA, which never holds the [A, heads, P, P] scores.
-    """
-    row: torch.Tensor      # [M]
-    col: torch.Tensor      # [M]
-    bias: torch.Tensor     # [A, 1, P, P] additive, 0 or -inf
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor) -> torch.Tensor:
-        """q [M, nh, hd], k/v [M, nkv, hd]; caches [A, nkv, hd, S] (keys, transposed) and
-        [A, nkv, S, hd] (values) -> attention output [M, nh*hd]."""
-        rows, _, cols, _ = self.bias.shape
-        k_cache[self.row, :, :, self.col] = k
-        v_cache[self.row, :, self.col] = v
-        nh, hd, nkv = q.shape[1], q.shape[2], k.shape[1]
-        padded_q = q.new_zeros(rows, cols, nkv, nh // nkv, hd)
-        padded_q[self.row, self.col] = q.view(-1, nkv, nh // nkv, hd)    # [A, P, nkv, g, hd]
-        if rows * nh * cols * cols > MATH_ATTENTION_MAX_SCORES:
-            att = F.scaled_dot_product_attention(
-                padded_q.flatten(2, 3).transpose(1, 2), k_cache[..., :cols].transpose(-1, -2),
-                v_cache[:, :, :cols],
-                attn_mask=self.bias, enable_gqa=nh != nkv)      # [A, nh, P, hd]
-            return att.transpose(1, 2)[self.row, self.col].flatten(1)
-        # Query heads that share a KV head fold into the query axis: [A, nkv, g*P, hd].
-        grouped = padded_q.permute(0, 2, 3, 1, 4).reshape(rows, nkv, -1, hd)
-        scores = torch.matmul(grouped, k_cache[..., :cols])                     # [A, nkv, g*P, P]
-        scores = scores.view(rows, nkv, nh // nkv, cols, cols).mul_(hd ** -0.5)
-        probs = scores.add_(self.bias[:, :, None]).softmax(-1).view(rows, nkv, -1, cols)
-        att = torch.matmul(probs, v_cache[:, :, :cols]).view(rows, nkv, nh // nkv, cols, hd)
-        return att[self.row, :, :, self.col].flatten(1)                  # [M, nh*hd]
-
-
-@dataclass
-class _Decode:
-    """Attention of one new token per active row over cache columns 0..col."""
-    col: int
-    bias: torch.Tensor     # [A * nkv, 1, col + 1] additive: -inf at prompt padding
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor) -> torch.Tensor:
-        """q [A, nh, hd], k/v [A, nkv, hd]; caches [A, nkv, hd, S] (keys, transposed) and
-        [A, nkv, S, hd] (values) -> attention output [A, nh*hd]."""
-        rows, nh, hd = q.shape
-        nkv = k.shape[1]
-        k_cache[..., self.col] = k
-        v_cache[:, :, self.col] = v
-        # One (row, KV head) pair per batch entry, [A*nkv, ...]; the query heads that share a
-        # KV head fold into the query axis, so GQA needs no copy of the cache. Plain
-        # matmul-softmax-matmul: for a one-token query SDPA's CPU kernel costs more per call
-        # than the math; baddbmm scales and adds the padding bias inside the product (two fewer
-        # ops per layer). Keys are cached transposed, so each batch entry's K^T is a plain
-        # row-major [hd, c] slice, which makes the product faster (docs/performance.md).
-        keys_t = k_cache[..., :self.col + 1].flatten(0, 1)               # [A*nkv, hd, c]
-        values = v_cache[:, :, :self.col + 1].flatten(0, 1)              # [A*nkv, c, hd]
-        scores = torch.baddbmm(self.bias, q.reshape(rows * nkv, nh // nkv, hd), keys_t,
-                               alpha=hd ** -0.5)                         # [A*nkv, g, c]
-        return torch.bmm(scores.softmax(-1), values).view(rows, nh * hd)
 
 
 class FastDecoder:
@@ -302,13 +150,13 @@ class FastDecoder:
 
     def _weights(self) -> tuple[list[_LayerWeights], torch.Tensor, torch.Tensor, torch.Tensor]:
         """(per-layer weights, embedding [V, H], final norm [H], lm_head [V, H]); norm weights
-        are scaled by sqrt(H) for `_rms_norm`.
+        are scaled by sqrt(H) for `rms_norm`.
 
         The fused q/k/v and gate/up tensors are the modules' own storage (see `_fuse`), made
         once; they are made again only if a parameter was replaced (not updated in place)."""
         m = self.model.model
         hidden = m.embed_tokens.weight.shape[1]
-        root_h = hidden ** 0.5                              # norms take sqrt(H) w (`_rms_norm`)
+        root_h = hidden ** 0.5                              # norms take sqrt(H) w (`rms_norm`)
         self.h_eps = torch.tensor(hidden * self.eps, dtype=m.embed_tokens.weight.dtype,
                                   device=m.embed_tokens.weight.device)
         layers = []
@@ -330,7 +178,7 @@ class FastDecoder:
         return layers, m.embed_tokens.weight, m.norm.weight * root_h, self.model.lm_head.weight
 
     def _rope_tables(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, signed sin [length, hd] for positions 0..length-1 (see `_rope`), computed as
+        """cos, signed sin [length, hd] for positions 0..length-1 (see `rope`), computed as
         HF's rotary embedding does (position * inv_freq in float32), so the values match it."""
         inv_freq = self.model.model.rotary_emb.inv_freq.to(device=device, dtype=torch.float32)
         freqs = torch.arange(length, device=device).float()[:, None] * inv_freq[None, :]
@@ -340,23 +188,22 @@ class FastDecoder:
         return cos.to(dtype), signed_sin.to(dtype)
 
     def _embed(self, ids: torch.Tensor, embed: torch.Tensor) -> torch.Tensor:
-        """Token embeddings [M, H], feature-major when M is a decode-sized step (see `_project`)."""
+        """Token embeddings [M, H], feature-major when M is a decode-sized step (see `project`)."""
         x = F.embedding(ids, embed)
-        few_rows = x.shape[0] < WEIGHT_MAJOR_MAX_ROWS and _weight_major_pays(x)
-        return _feature_major(x) if few_rows else x
+        return to_step_layout(x)
 
     def _logits(self, x: torch.Tensor, final_norm: torch.Tensor,
                 lm_head: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head: hidden states [A, H] -> float32 logits [A, V], row-major (the
         sampler reduces over the vocabulary)."""
-        return _lm_head(_rms_norm(x, final_norm, self.h_eps), lm_head).float()
+        return head_logits(rms_norm(x, final_norm, self.h_eps), lm_head).float()
 
     def _forward(self, layers: list[_LayerWeights], x: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 attend: _Prefill | _Decode) -> torch.Tensor:
+                 attend: PrefillAttention | DecodeAttention) -> torch.Tensor:
         """Run the decoder layers on M new tokens and write their keys/values into the cache.
 
-        x: [M, H] (feature-major in decode steps, see `_project`); cos/sin: [M, hd];
+        x: [M, H] (feature-major in decode steps, see `project`); cos/sin: [M, hd];
         k_cache: [L, A, nkv, hd, S] (transposed), v_cache: [L, A, nkv, S, hd]. Returns the
         final hidden states [M, H] (before the last norm).
         """
@@ -364,14 +211,14 @@ class FastDecoder:
         nh, nkv, hd = self.n_heads, self.n_kv, self.head_dim
         cos, sin = cos[:, None], sin[:, None]                          # [M, 1, hd]
         for i, w in enumerate(layers):
-            h = _rms_norm(x, w.in_norm, self.h_eps)
-            qkv = _project(h, w.qkv, w.qkv_bias).view(tokens, nh + 2 * nkv, hd)
-            qk = _rope(qkv[:, :nh + nkv], cos, sin)      # q and k heads rotated in one go
+            h = rms_norm(x, w.in_norm, self.h_eps)
+            qkv = project(h, w.qkv, w.qkv_bias).view(tokens, nh + 2 * nkv, hd)
+            qk = rope(qkv[:, :nh + nkv], cos, sin)      # q and k heads rotated in one go
             att = attend(qk[:, :nh], qk[:, nh:], qkv[:, nh + nkv:], k_cache[i], v_cache[i])
-            x = x + _project(att, w.o, w.o_bias)
-            h = _rms_norm(x, w.post_norm, self.h_eps)
-            gate, up = _project(h, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [M, I] each
-            x = x + _project(F.silu(gate) * up, w.down, w.down_bias)
+            x = x + project(att, w.o, w.o_bias)
+            h = rms_norm(x, w.post_norm, self.h_eps)
+            gate, up = project(h, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)  # [M, I] each
+            x = x + project(F.silu(gate) * up, w.down, w.down_bias)
         return x
 
     def _prefill(self, layers: list[_LayerWeights], embed: torch.Tensor, final_norm: torch.Tensor,
@@ -380,8 +227,8 @@ class FastDecoder:
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Run the prompts (left-padded [B, P], `valid` their mask) through the model and fill a
         fresh KV cache of `length` columns. Returns (k_cache [L, B, nkv, hd, length] (keys are
-        cached transposed, see `_Decode`), v_cache [L, B, nkv, length, hd], the logits of each
-        row's next token [B, V]).
+        cached transposed, see `DecodeAttention`), v_cache [L, B, nkv, length, hd], the logits
+        of each row's next token [B, V]).
 
         Rows holding the same prompt (GRPO's n samples of a prompt) are computed once and their
         cache rows and logits copied: an 8-prompts x 8-samples batch prefills 8 rows, not 64.
@@ -412,7 +259,7 @@ class FastDecoder:
         prompt_pos = (valid.long().cumsum(-1) - 1)[row, col]
         x = self._forward(layers, self._embed(prompt_ids[row, col], embed), cos_table[prompt_pos],
                           sin_table[prompt_pos], k_cache, v_cache,
-                          _Prefill(row, col, prefill_bias[:, None]))        # [M, H]
+                          PrefillAttention(row, col, prefill_bias[:, None]))        # [M, H]
         last = valid.sum(-1).cumsum(0) - 1           # each row's last prompt token (column P-1)
         logits = self._logits(x[last], final_norm, lm_head)                # [rows, V]
         if shared:
@@ -510,10 +357,10 @@ class FastDecoder:
                         (step_cos[t][:, rows], step_sin[t][:, rows]))          # [hd, A]
             cos, sin = cos.t(), sin.t()                                        # [A, hd]
             x = self._embed(token, embed)
-            if not _is_feature_major(x):  # the tables in the same layout as x (see `_rope`)
+            if not is_feature_major(x):  # the tables in the same layout as x (see `rope`)
                 cos, sin = cos.contiguous(), sin.contiguous()
             x = self._forward(layers, x, cos, sin, k_cache, v_cache,
-                              _Decode(col, key_bias[:, :, :col + 1].flatten(0, 1)[:, None]))
+                              DecodeAttention(col, key_bias[:, :, :col + 1].flatten(0, 1)[:, None]))
             logits = self._logits(x, final_norm, lm_head)
         response_mask = (torch.arange(R, device=device) < length[:, None]).float()
         return responses, response_mask, logprobs
@@ -536,7 +383,7 @@ def _step_tables(valid: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.
                  steps: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's RoPE rows for every decode step (positions continue the prompt), stored
     [steps, hd, B]: step t's [A, hd] table is the transpose of a [hd, A] slice, which is the
-    decoder's feature-major layout (see `_rope`) with no copy while no row has finished."""
+    decoder's feature-major layout (see `rope`) with no copy while no row has finished."""
     step_pos = valid.sum(-1, keepdim=True) + torch.arange(steps, device=valid.device)  # [B, R]
     return (cos_table[step_pos].permute(1, 2, 0).contiguous(),
             sin_table[step_pos].permute(1, 2, 0).contiguous())
