@@ -69,7 +69,8 @@ def translated_verl_args(script: str | None, args: Sequence[str]) -> list[str]:
     what (every verl key, and verl's defaults applied) on standard error."""
     from pathlib import Path
 
-    from dagrl.config.verl import overrides_from_script, parquet_rows, translate
+    from dagrl.config.verl import parquet_rows, translate
+    from dagrl.config.verl_script import overrides_from_script
 
     verl_args = list(args)
     if script is not None:

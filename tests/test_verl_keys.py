@@ -11,7 +11,8 @@ import pytest
 
 from dagrl.config.loader import ConfigError
 from dagrl.config.presets import load_run_config
-from dagrl.config.verl import markdown_table, overrides_from_script, translate
+from dagrl.config.verl import markdown_table, translate
+from dagrl.config.verl_script import overrides_from_script
 from dagrl.train import main as train_main
 
 TINY = ["actor_rollout_ref.model.path=builtin:tiny-qwen2", "data.train_files=[builtin:arith]",
