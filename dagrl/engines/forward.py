@@ -4,7 +4,7 @@ the critic."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -203,44 +203,24 @@ def _head_forward(head: torch.nn.Module, forward):
         del head.forward
 
 
-def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                      responses: torch.Tensor, response_mask: torch.Tensor, *,
-                      attention_mask: torch.Tensor | None = None,
-                      temperature: float = 1.0, with_entropy: bool = False,
-                      chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                      pack: bool = False,
-                      with_sum_pi_squared: bool = False,
-                      images: ImageInputs | None = None,
-                      share_prompts: bool = False) -> ResponseLogprobs:
-    """log softmax(z_t / T)[y_t] for every response token y_t: [B, R] (0 where masked).
+@dataclass
+class LayoutInputs:
+    """The model's inputs in one layout, and where its hidden states predict the targets."""
+    input_ids: torch.Tensor
+    kwargs: dict
+    targets: torch.Tensor                    # [n] the response tokens scored here
+    pick: Callable[[torch.Tensor], torch.Tensor]   # hidden states -> [n, H] that predict them
+    finish: Callable[[torch.Tensor], torch.Tensor] | None = None   # [n, 3] -> [N, 3]
 
-    prompt_ids/prompt_mask: [B, P] left-padded; responses/response_mask: [B, R] right-padded.
-    `attention_mask` [B, R]: the response tokens the model reads, a superset of `response_mask`
-    (default: the same). They differ in multi-turn responses: the tool and environment tokens
-    between the policy's turns are read (attended to) but get no log-prob (0 there).
-    No [B, T, V] logits tensor is built: the head runs on the N used response tokens' hidden
-    states alone, in chunks of `chunk_tokens` (0: all at once). `pack`: the rows go through
-    the model as one packed row without padding (`_packed_inputs`); `share_prompts`: each
-    distinct prompt once, its samples' responses after it (shared_prompts.py; it takes
-    precedence over `pack`); otherwise padded, minus the columns that are padding in every
-    row, keeping only the response positions' hidden states (`logits_to_keep`). A model set
-    up for sequence parallelism (ulysses.py) runs 1/sp of the columns of either layout on
-    each rank; the per-token results are summed over the sp group, so every rank returns the
-    whole [B, R].
-    `images`: the rows' images in row order, for an image-text model (data/vision.py);
-    its tokens then get M-RoPE positions (padded layout only), and the policy scored is the
-    model's distribution without its image pad (`unemittable_tokens`), as the rollouts sample.
-    """
-    if images is not None and (pack or sequence_parallel_mesh(model) is not None):
-        raise ValueError("images go through the padded layout only: M-RoPE positions are not "
-                         "computed for packed rows or sequence shards")
-    _check_layout(model, share_prompts, images)
-    batch, resp_len = responses.shape
-    images = images.to(responses.device) if images is not None else None
-    attention_mask = response_mask if attention_mask is None else attention_mask
+
+def _layout_inputs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                   responses: torch.Tensor, response_mask: torch.Tensor,
+                   attention_mask: torch.Tensor, *, pack: bool, share_prompts: bool,
+                   images: ImageInputs | None) -> LayoutInputs:
+    """The inputs of `response_logprobs`'s layout: a sequence shard, shared prompts, one packed
+    row, or padded rows (see there)."""
     used = response_mask.bool()                                               # [B, R]
     targets = responses[used]                                                 # [N]
-    head = model.get_output_embeddings()
     mesh = sequence_parallel_mesh(model)
     finish = None
     if mesh is not None:   # this rank's 1/sp of every sequence (ulysses.py)
@@ -283,16 +263,60 @@ def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_m
             # before it predict the response tokens.
             return hidden[:, hidden.shape[1] - last - 1:-1][used[:, :last]]  # [N, H]
 
+    return LayoutInputs(input_ids, kwargs, targets, pick, finish)
+
+
+def response_logprobs(model: torch.nn.Module, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                      responses: torch.Tensor, response_mask: torch.Tensor, *,
+                      attention_mask: torch.Tensor | None = None,
+                      temperature: float = 1.0, with_entropy: bool = False,
+                      chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                      pack: bool = False,
+                      with_sum_pi_squared: bool = False,
+                      images: ImageInputs | None = None,
+                      share_prompts: bool = False) -> ResponseLogprobs:
+    """log softmax(z_t / T)[y_t] for every response token y_t: [B, R] (0 where masked).
+
+    prompt_ids/prompt_mask: [B, P] left-padded; responses/response_mask: [B, R] right-padded.
+    `attention_mask` [B, R]: the response tokens the model reads, a superset of `response_mask`
+    (default: the same). They differ in multi-turn responses: the tool and environment tokens
+    between the policy's turns are read (attended to) but get no log-prob (0 there).
+    No [B, T, V] logits tensor is built: the head runs on the N used response tokens' hidden
+    states alone, in chunks of `chunk_tokens` (0: all at once). `pack`: the rows go through
+    the model as one packed row without padding (`_packed_inputs`); `share_prompts`: each
+    distinct prompt once, its samples' responses after it (shared_prompts.py; it takes
+    precedence over `pack`); otherwise padded, minus the columns that are padding in every
+    row, keeping only the response positions' hidden states (`logits_to_keep`). A model set
+    up for sequence parallelism (ulysses.py) runs 1/sp of the columns of either layout on
+    each rank; the per-token results are summed over the sp group, so every rank returns the
+    whole [B, R].
+    `images`: the rows' images in row order, for an image-text model (data/vision.py);
+    its tokens then get M-RoPE positions (padded layout only), and the policy scored is the
+    model's distribution without its image pad (`unemittable_tokens`), as the rollouts sample.
+    """
+    if images is not None and (pack or sequence_parallel_mesh(model) is not None):
+        raise ValueError("images go through the padded layout only: M-RoPE positions are not "
+                         "computed for packed rows or sequence shards")
+    _check_layout(model, share_prompts, images)
+    batch, resp_len = responses.shape
+    images = images.to(responses.device) if images is not None else None
+    attention_mask = response_mask if attention_mask is None else attention_mask
+    used = response_mask.bool()                                               # [B, R]
+    head = model.get_output_embeddings()
+    inputs = _layout_inputs(model, prompt_ids, prompt_mask, responses, response_mask,
+                            attention_mask, pack=pack, share_prompts=share_prompts,
+                            images=images)
     removed = unemittable_tokens(model)
 
     def head_forward(hidden: torch.Tensor) -> torch.Tensor:
-        return _chunked_head(pick(hidden), head, targets, temperature, with_entropy,
-                             chunk_tokens, with_sum_pi_squared, removed)
+        return _chunked_head(inputs.pick(hidden), head, inputs.targets, temperature,
+                             with_entropy, chunk_tokens, with_sum_pi_squared, removed)
 
     with _head_forward(head, head_forward):
-        per_token = model(input_ids=input_ids, use_cache=False, **kwargs).logits  # [N, 3]
-    if finish is not None:
-        per_token = finish(per_token)
+        per_token = model(input_ids=inputs.input_ids, use_cache=False,
+                          **inputs.kwargs).logits                             # [N, 3]
+    if inputs.finish is not None:
+        per_token = inputs.finish(per_token)
     out = per_token.new_zeros(batch, resp_len, 3)
     out[used] = per_token                                                     # [B, R, 3]
     return ResponseLogprobs(out[..., 0], out[..., 1] if with_entropy else None,
