@@ -66,8 +66,8 @@ def print_report(work: Any, progress: dict, evaluations: dict) -> dict:
         p = progress[side]
         loads = ", ".join(f"{seg['load_before']:.1f} -> {seg['load_after']:.1f}"
                           for seg in p.segments)
-        print(f"{LABELS[side]}: peak RSS {p.peak_rss_gb:.2f} GiB; {len(p.segments)} segment(s), "
-              f"load average {loads}")
+        print(f"{LABELS[side]}: {max(p.clock, default=0)} of {work.steps} steps; peak RSS "
+              f"{p.peak_rss_gb:.2f} GiB; {len(p.segments)} segment(s), load average {loads}")
     if set(sides) == {"ours", "trl"}:
         result["comparison"] = compare(work, curves, progress)
     return result
@@ -75,7 +75,8 @@ def print_report(work: Any, progress: dict, evaluations: dict) -> dict:
 
 def compare(work: Any, curves: dict, progress: dict) -> dict:
     """The issue's three figures: accuracy from half-way on within 5 points of TRL's (or above),
-    dagrl's wall-clock to TRL's last accuracy over TRL's, peak RSS ratio."""
+    dagrl's wall-clock to TRL's last accuracy over TRL's, peak RSS ratio (once both sides have
+    run every step)."""
     ours = {step: (clock, acc) for step, clock, acc in curves["ours"]}
     trl = {step: (clock, acc) for step, clock, acc in curves["trl"]}
     shared = [s for s in sorted(ours) if s in trl and s >= work.steps / 2]
@@ -98,6 +99,12 @@ def compare(work: Any, curves: dict, progress: dict) -> dict:
         else:
             print(f"dagrl does not reach TRL's step-{work.steps} accuracy ({target:.3f}) in its "
                   "evaluated checkpoints")
+    done = {side: max(progress[side].clock, default=0) for side in ("ours", "trl")}
+    if min(done.values()) < work.steps:
+        # A side's peak so far may be its model load alone: no ratio until both have run.
+        print(f"peak RSS compared when both sides have run all {work.steps} steps (dagrl at "
+              f"step {done['ours']}, TRL at step {done['trl']})")
+        return out
     rss = progress["ours"].peak_rss_gb / progress["trl"].peak_rss_gb
     out["peak_rss_ratio"] = rss
     print(f"peak RSS dagrl / TRL = {rss:.2f}x (target <= 0.6x: "

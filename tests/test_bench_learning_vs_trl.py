@@ -11,7 +11,8 @@ import shutil
 import pytest
 
 from benchmarks import learning
-from benchmarks.learning_vs_trl import Progress, saved_steps
+from benchmarks.learning_report import print_report
+from benchmarks.learning_vs_trl import WORKLOADS, Progress, saved_steps
 from dagrl.runtime.checkpoint import list_checkpoints
 
 
@@ -59,6 +60,36 @@ def test_quick_run_compares_both_sides_and_resumes_each_from_its_checkpoint(tmp_
     assert "ours: trained to step 4 already" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="holds a run of another workload"):
         learning.main([*args, "--steps", "6"])
+
+
+def test_a_side_part_way_gets_no_memory_verdict(tmp_path, capsys):
+    """TRL stopped at its model load (peak 1.7 GiB, no step): the report says how far each side
+    got and gives the peak RSS ratio only once both have run every step."""
+    work = WORKLOADS["tiny"]      # 4 steps, evaluated every 2
+    ours, trl = Progress(tmp_path / "ours.json"), Progress(tmp_path / "trl.json")
+    for step in range(1, 5):
+        ours.step(step, 10.0 * step, 0.5)
+    ours.peak_rss_gb, trl.peak_rss_gb = 4.7, 1.7
+    ours.segments = trl.segments = [{"from_step": 0, "load_before": 1.0, "load_after": 2.0}]
+    evaluations = {"initial": {"accuracy": 0.2}, "ours/2": {"accuracy": 0.4},
+                   "ours/4": {"accuracy": 0.6}}
+    result = print_report(work, {"ours": ours, "trl": trl}, evaluations)
+    printed = capsys.readouterr().out
+    assert "dagrl: 4 of 4 steps" in printed and "TRL: 0 of 4 steps" in printed
+    assert "peak RSS compared when both sides have run all 4 steps (dagrl at step 4, TRL at " \
+           "step 0)" in printed
+    assert "peak RSS dagrl / TRL" not in printed and "peak_rss_ratio" not in result["comparison"]
+
+    for step in range(1, 5):      # TRL's side finished: now the ratio and its verdict
+        trl.step(step, 20.0 * step, 0.4)
+    trl.peak_rss_gb = 9.4
+    evaluations.update({"trl/2": {"accuracy": 0.3}, "trl/4": {"accuracy": 0.5}})
+    result = print_report(work, {"ours": ours, "trl": trl}, evaluations)
+    printed = capsys.readouterr().out
+    assert "peak RSS dagrl / TRL = 0.50x (target <= 0.6x: met)" in printed
+    assert result["comparison"]["peak_rss_ratio"] == pytest.approx(4.7 / 9.4)
+    assert "dagrl reaches TRL's step-4 accuracy (0.500) at step 4, after 0.7 min = 0.50x TRL's " \
+           "1.3 min (target <= 0.5x: met)" in printed
 
 
 @pytest.mark.slow   # kill and recover, three bench processes (~70 s): with the slow runs
