@@ -414,6 +414,20 @@ def test_unwritable_run_directory_is_named_before_any_work(tmp_path, tiny_model_
     assert blocker.read_text() == "not a directory"
 
 
+def test_run_directory_the_kernel_refuses_is_named_by_the_file_checks(tmp_path):
+    """/proc takes no new directory whatever its mode bits say (and os.access says yes to
+    root): the file checks make a directory there and remove it, so the run is refused before
+    any model code loads; where the directory can be made, nothing is left behind."""
+    from dagrl.runtime.input_checks import check_dir_usable
+    from dagrl.runtime.run_dir import RunDirError
+
+    with pytest.raises(RunDirError, match=r"trainer.run_dir='/proc/dagrl-probe/run' cannot be "
+                                          r"written \(.*'/proc'"):
+        check_dir_usable(Path("/proc/dagrl-probe/run"), "trainer.run_dir")
+    check_dir_usable(tmp_path / "new" / "run", "trainer.run_dir")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_cli_prints_the_error_without_a_traceback(tmp_path, tiny_model_dir, capsys):
     from dagrl.train import main
 

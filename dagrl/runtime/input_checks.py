@@ -288,4 +288,12 @@ def check_dir_usable(path: Path, key: str) -> None:
     if not os.access(probe, os.W_OK | os.X_OK):
         raise RunDirError(f"{key}={str(path)!r} cannot be written ({str(probe)!r}: permission "
                           "denied for this user); choose another directory")
+    # os.access answers yes to root everywhere, and /proc or /sys refuse a new directory
+    # whatever the mode bits say: make one and remove it.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".dagrl-probe-", dir=probe))
+    except OSError as err:
+        raise RunDirError(f"{key}={str(path)!r} cannot be written (a directory cannot be made in "
+                          f"{str(probe)!r}: {err.strerror or err}); choose another "
+                          "directory") from err
 
