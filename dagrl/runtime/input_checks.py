@@ -272,8 +272,8 @@ def model_tokenizer(cfg: Config):
 
 
 def check_dir_usable(path: Path, key: str) -> None:
-    """`path` is a directory, or can be created as one, and can be written; nothing is left
-    behind (a refused run must leave no directory)."""
+    """`path` is a directory, or can be created as one, and can be written; nothing is created
+    (a refused run must leave no directory behind)."""
     probe = path
     while not probe.exists():
         if probe.parent == probe:
@@ -282,12 +282,18 @@ def check_dir_usable(path: Path, key: str) -> None:
     if not probe.is_dir():
         what = "is a file" if probe == path else f"cannot be written: {str(probe)!r} is a file"
         raise RunDirError(f"{key}={str(path)!r} {what}, not a directory; choose another path")
-    # Make a directory and remove it: mode bits and os.access cannot tell (root passes them
-    # everywhere, and /proc refuses a new directory whatever they say).
+    if os.statvfs(probe).f_flag & os.ST_RDONLY:
+        raise RunDirError(f"{key}={str(path)!r} cannot be written ({str(probe)!r} is on a "
+                          "read-only file system); choose another directory")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise RunDirError(f"{key}={str(path)!r} cannot be written ({str(probe)!r}: permission "
+                          "denied for this user); choose another directory")
+    # os.access answers yes to root everywhere, and /proc or /sys refuse a new directory
+    # whatever the mode bits say: make one and remove it.
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".dagrl-probe-", dir=probe))
     except OSError as err:
-        raise RunDirError(f"{key}={str(path)!r} cannot be written (no directory can be made in "
+        raise RunDirError(f"{key}={str(path)!r} cannot be written (a directory cannot be made in "
                           f"{str(probe)!r}: {err.strerror or err}); choose another "
                           "directory") from err
 
