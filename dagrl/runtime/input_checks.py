@@ -272,8 +272,8 @@ def model_tokenizer(cfg: Config):
 
 
 def check_dir_usable(path: Path, key: str) -> None:
-    """`path` is a directory, or can be created as one, and can be written; nothing is created
-    (a refused run must leave no directory behind)."""
+    """`path` is a directory, or can be created as one, and can be written; nothing is left
+    behind (a refused run must leave no directory)."""
     probe = path
     while not probe.exists():
         if probe.parent == probe:
