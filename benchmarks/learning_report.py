@@ -66,7 +66,9 @@ def print_report(work: Any, progress: dict, evaluations: dict) -> dict:
         p = progress[side]
         loads = ", ".join(f"{seg['load_before']:.1f} -> {seg['load_after']:.1f}"
                           for seg in p.segments)
-        print(f"{LABELS[side]}: {max(p.clock, default=0)} of {work.steps} steps; peak RSS "
+        done = max(p.clock, default=0)
+        beyond = f", then on to step {done}" if done > work.steps else ""
+        print(f"{LABELS[side]}: {min(done, work.steps)} of {work.steps} steps{beyond}; peak RSS "
               f"{p.peak_rss_gb:.2f} GiB; {len(p.segments)} segment(s), load average {loads}")
     if set(sides) == {"ours", "trl"}:
         result["comparison"] = compare(work, curves, progress)
@@ -110,6 +112,41 @@ def compare(work: Any, curves: dict, progress: dict) -> dict:
     print(f"peak RSS dagrl / TRL = {rss:.2f}x (target <= 0.6x: "
           f"{'met' if rss <= 0.6 else 'NOT met'})")
     return out
+
+
+# The issue's bound on the time to TRL's final accuracy: past half of TRL's wall-clock, dagrl
+# training on could no longer meet it, so the chase ends there.
+CHASE_BUDGET = 0.5
+
+
+def next_chase_step(work: Any, max_steps: int, progress: dict,
+                    evaluations: dict) -> tuple[int | None, str]:
+    """Whether dagrl trains on past work.steps to reach TRL's last accuracy: (the step to train
+    to, why) or (None, why not). Training on is the only way to measure the time to that
+    accuracy when dagrl's evaluated checkpoints stay below it; each block is work.every steps
+    and is evaluated before the next is decided."""
+    if "ours" not in progress or "trl" not in progress:
+        return None, "both sides are needed"
+    trl_clock = progress["trl"].clock.get(work.steps)
+    target = evaluations.get(f"trl/{work.steps}", {}).get("accuracy")
+    if trl_clock is None or target is None:
+        return None, f"TRL has no evaluated step-{work.steps} checkpoint yet"
+    curve = accuracy_curve("ours", evaluations, progress["ours"])
+    last, clock, _ = max(curve)
+    if last < work.steps:
+        return None, f"dagrl has no evaluated step-{work.steps} checkpoint yet"
+    if any(acc >= target for step, _, acc in curve if step > 0):
+        return None, f"dagrl has reached TRL's step-{work.steps} accuracy ({target:.3f})"
+    if clock >= CHASE_BUDGET * trl_clock:
+        return None, (f"dagrl's step {last} came after {clock / 60:.1f} min, past "
+                      f"{CHASE_BUDGET}x TRL's {trl_clock / 60:.1f} min: TRL's step-{work.steps} "
+                      f"accuracy ({target:.3f}) is not reached within it")
+    if last + work.every > max_steps:
+        return None, (f"step {last + work.every} would pass --max-steps {max_steps} (dagrl "
+                      f"below TRL's step-{work.steps} accuracy, {target:.3f}, up to step {last})")
+    return last + work.every, (f"dagrl's best held-out accuracy up to step {last} is below "
+                               f"TRL's step-{work.steps} ({target:.3f}) after {clock / 60:.1f} "
+                               f"of TRL's {trl_clock / 60:.1f} min")
 
 
 def write_plot(path: Path, work: Any, progress: dict, evaluations: dict) -> None:

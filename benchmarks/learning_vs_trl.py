@@ -23,6 +23,13 @@ Wall-clock: each side runs as its own process, one after the other; a watcher no
 step's record appears (ours: metrics.jsonl; TRL: a callback's JSON line), counted from the
 process start (model loading included). Peak RSS: the kernel's ru_maxrss of the process tree.
 
+Time to TRL's accuracy: where dagrl's held-out accuracy at its evaluated steps stays below
+TRL's at the last step, the two runs alone cannot say when dagrl would reach it. So dagrl then
+trains on from its newest checkpoint, --every steps at a time, each block evaluated, until it
+reaches that accuracy, its wall-clock passes 0.5x TRL's (the issue's bound: past it the answer
+is no), or --max-steps. Its learning rate is constant after the warm-up, so the later steps
+train as the first did; each block's model loading counts in its clock.
+
 Resumable: everything lives under --out. Ctrl-C or SIGTERM stops the bench and the side it
 runs (its peak RSS and time so far recorded); run it again and that side goes on from its newest
 checkpoint (its clock from that step's time), a finished side is not run again, and
@@ -45,7 +52,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from benchmarks import e2e
-from benchmarks.learning_report import print_report, write_plot
+from benchmarks.learning_report import next_chase_step, print_report, write_plot
 
 CHECKOUT = Path(__file__).resolve().parents[1]
 SIDES = ("ours", "trl")
@@ -94,9 +101,12 @@ def write_workload(root: Path, work: Workload) -> tuple[Path, Path, Path]:
 
 # --- the two sides -----------------------------------------------------------------------------
 
-def ours_args(work: Workload, model: Path, train: Path, run_dir: Path) -> list[str]:
+def ours_args(work: Workload, model: Path, train: Path, run_dir: Path,
+              steps: int | None = None) -> list[str]:
     """`dagrl train` arguments: the example's settings (smollm2) with the workload's values
-    written out, no validation inside the run, every checkpoint kept."""
+    written out, no validation inside the run, every checkpoint kept; to work.steps, or to
+    `steps` when dagrl trains on past them (the learning rate is constant after its warm-up, so
+    later steps train as the earlier did)."""
     config = [str(e2e.SMOLLM2_EXAMPLE), "model.gguf_file="] if work.name == "smollm2" else \
         ["data.max_prompt_length=8", "algorithm.name=grpo"]
     return [*config, f"model.path={model}", f"data.train_files=[{train}]", "data.val_files=[]",
@@ -105,7 +115,7 @@ def ours_args(work: Workload, model: Path, train: Path, run_dir: Path) -> list[s
             f"rollout.temperature={work.temperature}", f"actor.lr={work.lr}",
             f"actor.warmup_steps={work.warmup}", f"algorithm.kl_loss_coef={work.kl_coef}",
             "algorithm.kl_loss_type=low_var_kl", f"reward.scorer={work.reward}",
-            f"trainer.total_steps={work.steps}", f"trainer.save_every={work.every}",
+            f"trainer.total_steps={steps or work.steps}", f"trainer.save_every={work.every}",
             "trainer.keep_last=0", "trainer.val_every=0", "trainer.val_before_train=false",
             f"trainer.torch_threads={work.threads}", "trainer.seed=0", "trainer.device=cpu",
             f"trainer.run_dir={run_dir}", "logging.backends=[jsonl]",
@@ -223,14 +233,16 @@ def drop_records_after(log: Path, step: int) -> None:
 
 
 def run_side(side: str, work: Workload, model: Path, train: Path, out: Path,
-             trl_python: Path | None) -> Progress:
-    """Train the side to work.steps (from its newest checkpoint, if any)."""
+             trl_python: Path | None, to_step: int | None = None) -> Progress:
+    """Train the side to work.steps, or dagrl to `to_step` past them (from the side's newest
+    checkpoint, if any)."""
+    to_step = to_step or work.steps
     side_dir = out / side
     side_dir.mkdir(parents=True, exist_ok=True)
     progress = Progress(side_dir / "progress.json")
     saved = saved_steps(side, side_dir)
     resume_at = saved[-1] if saved else 0
-    if resume_at >= work.steps:
+    if resume_at >= to_step:
         print(f"{side}: trained to step {resume_at} already", flush=True)
         return progress
     # Steps after the checkpoint are run again; the clock goes on from the checkpoint's time.
@@ -240,14 +252,14 @@ def run_side(side: str, work: Workload, model: Path, train: Path, out: Path,
     if side == "ours":
         cmd = [sys.executable, "-c", "import sys; from dagrl.cli import main; "
                "sys.exit(main(sys.argv[1:]))", "train",
-               *ours_args(work, model, train, side_dir / "run")]
+               *ours_args(work, model, train, side_dir / "run", to_step)]
         log = side_dir / "run" / "metrics.jsonl"
     else:
         cmd = [str(trl_python), *trl_args(work, model, train, side_dir)]
         log = side_dir / "steps.jsonl"
     drop_records_after(log, resume_at)
     load = os.getloadavg()[0]
-    print(f"{side}: training steps {resume_at + 1}..{work.steps} (load {load:.1f}; "
+    print(f"{side}: training steps {resume_at + 1}..{to_step} (load {load:.1f}; "
           f"log {side_dir / 'output.log'})", flush=True)
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "TOKENIZERS_PARALLELISM": "false",
            "OMP_NUM_THREADS": str(work.threads)}
@@ -408,6 +420,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "steps (smollm2 25, tiny 2)")
     parser.add_argument("--precision", choices=("float32", "bfloat16", "auto"),
                         help="both sides (smollm2 auto: bfloat16 where native, tiny float32)")
+    parser.add_argument("--max-steps", type=int, help="while its held-out accuracy is below "
+                        "TRL's last and its wall-clock under 0.5x TRL's, dagrl trains on past "
+                        "--steps in blocks of --every, up to this step (default 4 x --steps; "
+                        "--steps: never)")
     parser.add_argument("--sides", default="ours,trl", help="train only these (the report "
                         "shows what is there)")
     parser.add_argument("--venv", type=Path, default=e2e.DEFAULT_VENV, help="TRL's venv")
@@ -445,8 +461,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     for side in sides:
         run_side(side, work, model, train, ns.out, trl_python)
     evaluations = evaluate(work, model, train, test, ns.out)
-    progress = {side: Progress(ns.out / side / "progress.json") for side in SIDES
-                if (ns.out / side / "progress.json").is_file()}
+    max_steps = work.steps * 4 if ns.max_steps is None else ns.max_steps
+    while True:   # the time to TRL's last accuracy, where dagrl's 100 steps fall short of it
+        progress = {side: Progress(ns.out / side / "progress.json") for side in SIDES
+                    if (ns.out / side / "progress.json").is_file()}
+        to_step, why = next_chase_step(work, max_steps, progress, evaluations)
+        if to_step is None or "ours" not in sides:
+            break
+        print(f"{why}: dagrl trains on to step {to_step}", flush=True)
+        run_side("ours", work, model, train, ns.out, None, to_step)
+        evaluations = evaluate(work, model, train, test, ns.out)
+    if "ours" in progress and max(progress["ours"].clock, default=0) > work.steps:
+        print(f"dagrl past step {work.steps}: {why}", flush=True)
     result = print_report(work, progress, evaluations)
     if ns.plot:
         write_plot(ns.plot, work, progress, evaluations)

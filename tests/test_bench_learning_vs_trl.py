@@ -11,15 +11,16 @@ import shutil
 import pytest
 
 from benchmarks import learning
-from benchmarks.learning_report import print_report
+from benchmarks.learning_report import next_chase_step, print_report
 from benchmarks.learning_vs_trl import WORKLOADS, Progress, saved_steps
 from dagrl.runtime.checkpoint import list_checkpoints
 
 
 def test_quick_run_compares_both_sides_and_resumes_each_from_its_checkpoint(tmp_path, capsys):
     out, plot, figures = tmp_path / "run", tmp_path / "curves.svg", tmp_path / "figures.json"
-    args = ["--vs", "trl", "--quick", "--out", str(out), "--plot", str(plot),
+    base = ["--vs", "trl", "--quick", "--out", str(out), "--plot", str(plot),
             "--json", str(figures)]
+    args = [*base, "--max-steps", "4"]    # the chase past step 4 is tested at the end
     assert learning.main(args) == 0
     printed = capsys.readouterr().out
     assert "| step | dagrl held-out |" in printed and "TRL held-out" in printed
@@ -61,6 +62,31 @@ def test_quick_run_compares_both_sides_and_resumes_each_from_its_checkpoint(tmp_
     with pytest.raises(SystemExit, match="holds a run of another workload"):
         learning.main([*args, "--steps", "6"])
 
+    # dagrl below TRL's last accuracy inside half of TRL's clock (TRL's record edited: step 4 at
+    # accuracy 1.0 after 1000 min): dagrl trains on from its step-4 checkpoint, one block of
+    # --every steps, which is evaluated, then stops at --max-steps.
+    evaluations = json.loads((out / "evaluations.json").read_text())
+    evaluations["trl/4"]["accuracy"] = 1.0
+    (out / "evaluations.json").write_text(json.dumps(evaluations))
+    trl = Progress(out / "trl" / "progress.json")
+    trl.clock[4] = 60_000.0
+    trl.save()
+    assert learning.main([*base, "--max-steps", "6"]) == 0
+    printed = capsys.readouterr().out
+    assert "below TRL's step-4 (1.000)" in printed and "dagrl trains on to step 6" in printed
+    assert "ours: training steps 5..6" in printed and "trl: trained to step 4 already" in printed
+    assert "evaluating 1 model(s) on the held-out set: ours/6" in printed
+    assert "dagrl past step 4: step 8 would pass --max-steps 6" in printed
+    assert "dagrl: 4 of 4 steps, then on to step 6;" in printed
+    assert "dagrl does not reach TRL's step-4 accuracy (1.000)" in printed
+    result = json.loads(figures.read_text())
+    assert [step for step, _, _ in result["ours"]["accuracy"]] == [0, 2, 4, 6]
+    assert [step for step, _, _ in result["trl"]["accuracy"]] == [0, 2, 4]
+    progress = Progress(out / "ours" / "progress.json")
+    assert [seg["from_step"] for seg in progress.segments] == [0, 2, 4]
+    assert progress.clock[6] > progress.clock[5] > progress.clock[4]
+    assert saved_steps("ours", out / "ours") == [2, 4, 6]
+
 
 def test_a_side_part_way_gets_no_memory_verdict(tmp_path, capsys):
     """TRL stopped at its model load (peak 1.7 GiB, no step): the report says how far each side
@@ -90,6 +116,37 @@ def test_a_side_part_way_gets_no_memory_verdict(tmp_path, capsys):
     assert result["comparison"]["peak_rss_ratio"] == pytest.approx(4.7 / 9.4)
     assert "dagrl reaches TRL's step-4 accuracy (0.500) at step 4, after 0.7 min = 0.50x TRL's " \
            "1.3 min (target <= 0.5x: met)" in printed
+
+
+def test_dagrl_trains_on_only_while_the_time_to_trls_accuracy_is_open(tmp_path):
+    """The chase's decision: on while below TRL's last accuracy, under 0.5x TRL's clock and
+    --max-steps; each stop names its reason."""
+    work = WORKLOADS["tiny"]      # 4 steps, evaluated every 2
+    ours, trl = Progress(tmp_path / "ours.json"), Progress(tmp_path / "trl.json")
+    for step in range(1, 5):
+        ours.step(step, 10.0 * step, 0.5)
+        trl.step(step, 30.0 * step, 0.5)
+    evaluations = {"initial": {"accuracy": 0.2}, "ours/2": {"accuracy": 0.4},
+                   "ours/4": {"accuracy": 0.5}, "trl/2": {"accuracy": 0.3},
+                   "trl/4": {"accuracy": 0.6}}
+    progress = {"ours": ours, "trl": trl}
+
+    def decide(max_steps: int = 16) -> tuple:
+        return next_chase_step(work, max_steps, progress, evaluations)
+
+    step, why = decide()          # 0.5 < 0.6 after 40 s of TRL's 120: on, one block
+    assert step == 6 and "below TRL's step-4 (0.600) after 0.7 of TRL's 2.0 min" in why
+    assert decide(max_steps=5) == (None, "step 6 would pass --max-steps 5 (dagrl below TRL's "
+                                         "step-4 accuracy, 0.600, up to step 4)")
+    ours.step(6, 60.0, 0.5)       # step 6 at 60 s = 0.5x TRL's 120 s: the bound is reached
+    evaluations["ours/6"] = {"accuracy": 0.55}
+    step, why = decide()
+    assert step is None and "past 0.5x TRL's 2.0 min" in why
+    ours.clock[6] = 50.0          # ... or, inside it, the accuracy reached: no more steps
+    evaluations["ours/6"] = {"accuracy": 0.6}
+    assert decide() == (None, "dagrl has reached TRL's step-4 accuracy (0.600)")
+    del evaluations["trl/4"]      # TRL's last checkpoint not evaluated: nothing to chase yet
+    assert decide() == (None, "TRL has no evaluated step-4 checkpoint yet")
 
 
 @pytest.mark.slow   # kill and recover, three bench processes (~70 s): with the slow runs
