@@ -100,7 +100,8 @@ def load_prompts(path: str):
     })
 
 
-def main(argv: list[str] | None = None) -> int:
+def argument_parser() -> argparse.ArgumentParser:
+    """The worker's options (the update replay, _trl_replay.py, adds its own to them)."""
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="HF model directory (with tokenizer)")
@@ -128,16 +129,69 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output-dir", help="keep checkpoints here (and resume from the newest)")
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps")
     parser.add_argument("--steps-log", help="append one JSON line per step to this file")
-    ns = parser.parse_args(argv)
+    return parser
+
+
+def grpo_trainer(ns: argparse.Namespace, out_dir: str, dataset, callbacks: list, *,
+                 reward_func=None, shuffle: bool = True):
+    """TRL's GRPOTrainer as both benchmarks configure it: one step = one generation batch of
+    prompts x samples = one optimizer step, our actor's optimizer and warm-up. `reward_func`:
+    instead of the --reward rule (the replay wraps it to record the rewards); `shuffle`:
+    False takes the prompts in the dataset's order."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    batch = ns.prompts * ns.samples
+    min_tokens = ns.tokens if ns.min_tokens is None else ns.min_tokens
+    saving = ({"save_strategy": "steps", "save_steps": ns.save_every, "save_only_model": False}
+              if ns.save_every else {"save_strategy": "no"})
+    config = GRPOConfig(
+        output_dir=out_dir, seed=ns.seed, use_cpu=True, bf16=ns.bf16, fp16=False,
+        max_steps=ns.steps, logging_steps=1, eval_strategy="no", **saving,
+        report_to="none", disable_tqdm=True, dataloader_num_workers=0, shuffle_dataset=shuffle,
+        # One step = one generation batch of prompts x samples = one optimizer step.
+        per_device_train_batch_size=batch, gradient_accumulation_steps=1,
+        steps_per_generation=1, num_iterations=1, num_generations=ns.samples,
+        # e2e: exactly `tokens` completion tokens per sample (EOS masked until then, as on
+        # ours); learning: up to `tokens`, stopping at EOS.
+        max_completion_length=ns.tokens, generation_kwargs={"min_new_tokens": min_tokens},
+        temperature=ns.temperature, top_p=1.0, top_k=0,
+        beta=ns.beta,                   # 0: no KL term, hence no reference model
+        # dagrl's KL loss is k3 (low_var_kl) as it stands; TRL's default multiplies it by the
+        # (differentiable) importance ratio, which changes its gradient even on-policy.
+        use_bias_correction_kl=False,
+        disable_dropout=True,
+        # Our actor's optimiser settings (throughput does not depend on them, but keep the
+        # update the same kind of update).
+        learning_rate=ns.lr, adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0,
+        max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0,
+        torch_compile=ns.compile,
+        # Everything else (gradient checkpointing, loss type, ...) is TRL's default.
+    )
+    model = AutoModelForCausalLM.from_pretrained(ns.model, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(ns.model)
+    optimizers = (None, None)
+    if ns.warmup:   # dagrl's schedule: lr / warmup at the first step, not HF's 0
+        optimizer = torch.optim.AdamW(model.parameters(), lr=ns.lr, betas=(0.9, 0.99),
+                                      weight_decay=0.0)
+        optimizers = (optimizer, torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s: min(1.0, (s + 1) / ns.warmup)))
+    return GRPOTrainer(model=model, reward_funcs=reward_func or REWARDS[ns.reward], args=config,
+                       train_dataset=dataset, processing_class=tokenizer, callbacks=callbacks,
+                       optimizers=optimizers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = argument_parser().parse_args(argv)
 
     import torch
 
     torch.set_num_threads(ns.threads)
     import transformers
     import trl
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import TrainerCallback
     from transformers.utils import logging as hf_logging
-    from trl import GRPOConfig, GRPOTrainer
 
     hf_logging.disable_progress_bar()   # a weight-loading bar is noise in the bench's output
 
@@ -164,48 +218,12 @@ def main(argv: list[str] | None = None) -> int:
                                         "response/length/mean":
                                             logs.get("completions/mean_length")}) + "\n")
 
-    batch = ns.prompts * ns.samples
-    min_tokens = ns.tokens if ns.min_tokens is None else ns.min_tokens
     with contextlib.ExitStack() as stack:
         out_dir = ns.output_dir or stack.enter_context(
             tempfile.TemporaryDirectory(prefix="dagrl-trl-"))
-        saving = ({"save_strategy": "steps", "save_steps": ns.save_every, "save_only_model": False}
-                  if ns.save_every else {"save_strategy": "no"})
-        config = GRPOConfig(
-            output_dir=out_dir, seed=ns.seed, use_cpu=True, bf16=ns.bf16, fp16=False,
-            max_steps=ns.steps, logging_steps=1, eval_strategy="no", **saving,
-            report_to="none", disable_tqdm=True, dataloader_num_workers=0,
-            # One step = one generation batch of prompts x samples = one optimizer step.
-            per_device_train_batch_size=batch, gradient_accumulation_steps=1,
-            steps_per_generation=1, num_iterations=1, num_generations=ns.samples,
-            # e2e: exactly `tokens` completion tokens per sample (EOS masked until then, as on
-            # ours); learning: up to `tokens`, stopping at EOS.
-            max_completion_length=ns.tokens, generation_kwargs={"min_new_tokens": min_tokens},
-            temperature=ns.temperature, top_p=1.0, top_k=0,
-            beta=ns.beta,                   # 0: no KL term, hence no reference model
-            # dagrl's KL loss is k3 (low_var_kl) as it stands; TRL's default multiplies it by the
-            # (differentiable) importance ratio, which changes its gradient even on-policy.
-            use_bias_correction_kl=False,
-            disable_dropout=True,
-            # Our actor's optimiser settings (throughput does not depend on them, but keep the
-            # update the same kind of update).
-            learning_rate=ns.lr, adam_beta1=0.9, adam_beta2=0.99, weight_decay=0.0,
-            max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0,
-            torch_compile=ns.compile,
-            # Everything else (gradient checkpointing, loss type, ...) is TRL's default.
-        )
-        model = AutoModelForCausalLM.from_pretrained(ns.model, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(ns.model)
         clock = StepClock()
-        optimizers = (None, None)
-        if ns.warmup:   # dagrl's schedule: lr / warmup at the first step, not HF's 0
-            optimizer = torch.optim.AdamW(model.parameters(), lr=ns.lr, betas=(0.9, 0.99),
-                                          weight_decay=0.0)
-            optimizers = (optimizer, torch.optim.lr_scheduler.LambdaLR(
-                optimizer, lambda s: min(1.0, (s + 1) / ns.warmup)))
-        trainer = GRPOTrainer(model=model, reward_funcs=REWARDS[ns.reward], args=config,
-                              train_dataset=load_prompts(ns.data), processing_class=tokenizer,
-                              callbacks=[clock], optimizers=optimizers)
+        trainer = grpo_trainer(ns, out_dir, load_prompts(ns.data), [clock])
+        config = trainer.args
         resume = ns.output_dir and any(Path(out_dir).glob("checkpoint-*"))
         trainer.train(resume_from_checkpoint=True if resume else None)
 

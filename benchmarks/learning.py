@@ -4,6 +4,8 @@
     dagrl bench learning --algorithms grpo,ppo --steps 100 --out runs/learning
     dagrl bench learning --vs trl [--quick]               # beside TRL on SmolLM2: see
                                                           # benchmarks/learning_vs_trl.py
+    dagrl bench learning --vs trl --update-parity         # one update each on the same
+                                                          # samples: benchmarks/update_vs_trl.py
 
 For each algorithm it trains the default tiny model on the built-in arithmetic task with that
 algorithm's preset (one worker, seed 0) and prints a Markdown table: mean `reward/mean` over the
@@ -41,6 +43,10 @@ def run_one(name: str, steps: int, out: Path, extra: Sequence[str]) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if "--update-parity" in argv:
+        from benchmarks.update_vs_trl import main as parity_main
+
+        return parity_main(argv)
     if any(a == "--vs" or a.startswith("--vs=") for a in argv):
         from benchmarks.learning_vs_trl import main as vs_main
 

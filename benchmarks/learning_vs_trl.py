@@ -10,9 +10,9 @@ directory both sides load) on `gsm8k-synth-1step` (4096 train, 256 held-out prob
 examples/smollm2_gsm8k.yaml trains it: 8 prompts x 4 samples, up to 128 tokens at temperature
 0.7, GRPO (group-normalised advantages, token-mean loss, one optimizer step per batch), KL loss
 0.001 (k3), AdamW lr 1e-5 with betas (0.9, 0.99), 5 warm-up steps (lr x (s + 1) / 5 on both
-sides), grad clip 1.0, the last-number-by-value reward, seed 0, 2 threads, bfloat16 mixed
-precision where the CPU multiplies it natively (`--precision`). Each side checkpoints every
-`--every` steps (25).
+sides), grad clip 1.0, the last-number-by-value reward, seed 0 (--seed), 2 threads, bfloat16
+mixed precision where the CPU multiplies it natively (`--precision`). Each side checkpoints
+every `--every` steps (25).
 
 Held-out accuracy: one evaluator scores both sides' checkpoints and the initial model: dagrl's
 own validation (greedy, 128 tokens, the same scorer) on the model directory, in a process of
@@ -73,6 +73,7 @@ class Workload:
     reward: str                     # the scorer's name on both sides
     threads: int = 2
     precision: str = "float32"
+    seed: int = 0                   # both sides' (the data split stays seed 0's)
 
 
 WORKLOADS = {
@@ -117,8 +118,8 @@ def ours_args(work: Workload, model: Path, train: Path, run_dir: Path,
             "algorithm.kl_loss_type=low_var_kl", f"reward.scorer={work.reward}",
             f"trainer.total_steps={steps or work.steps}", f"trainer.save_every={work.every}",
             "trainer.keep_last=0", "trainer.val_every=0", "trainer.val_before_train=false",
-            f"trainer.torch_threads={work.threads}", "trainer.seed=0", "trainer.device=cpu",
-            f"trainer.run_dir={run_dir}", "logging.backends=[jsonl]",
+            f"trainer.torch_threads={work.threads}", f"trainer.seed={work.seed}",
+            "trainer.device=cpu", f"trainer.run_dir={run_dir}", "logging.backends=[jsonl]",
             "logging.progress_bar=false", *precision_args(work)]
 
 
@@ -132,7 +133,7 @@ def trl_args(work: Workload, model: Path, train: Path, side_dir: Path) -> list[s
             "--steps", str(work.steps), "--prompts", str(work.prompts),
             "--samples", str(work.samples), "--tokens", str(work.max_tokens), "--min-tokens", "0",
             "--temperature", str(work.temperature), "--threads", str(work.threads),
-            "--seed", "0", "--beta", str(work.kl_coef), "--lr", str(work.lr),
+            "--seed", str(work.seed), "--beta", str(work.kl_coef), "--lr", str(work.lr),
             "--warmup", str(work.warmup), "--reward", work.reward,
             "--output-dir", str(side_dir / "checkpoints"), "--save-every", str(work.every),
             "--steps-log", str(side_dir / "steps.jsonl"),
@@ -424,6 +425,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "TRL's last and its wall-clock under 0.5x TRL's, dagrl trains on past "
                         "--steps in blocks of --every, up to this step (default 4 x --steps; "
                         "--steps: never)")
+    parser.add_argument("--seed", type=int, default=0, help="both sides' seed (sampling, data "
+                        "order); one run is one draw of a noisy curve")
     parser.add_argument("--sides", default="ours,trl", help="train only these (the report "
                         "shows what is there)")
     parser.add_argument("--venv", type=Path, default=e2e.DEFAULT_VENV, help="TRL's venv")
@@ -445,13 +448,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     base = WORKLOADS["tiny" if ns.quick else ns.workload]
     work = dataclasses.replace(
         base, steps=ns.steps or base.steps, every=ns.every or base.every,
-        precision=e2e.resolve_precision(ns.precision or base.precision))
+        precision=e2e.resolve_precision(ns.precision or base.precision), seed=ns.seed)
     sides = ns.sides.split(",")
     if set(sides) - set(SIDES):
         raise SystemExit(f"--sides takes ours, trl or both, not {ns.sides}")
     ns.out.mkdir(parents=True, exist_ok=True)
     settings = ns.out / "workload.json"
-    if settings.is_file() and json.loads(settings.read_text()) != dataclasses.asdict(work):
+    # A run recorded before the seed was an option ran seed 0.
+    if settings.is_file() and {"seed": 0, **json.loads(settings.read_text())} != \
+            dataclasses.asdict(work):
         raise SystemExit(f"{ns.out} holds a run of another workload ({settings}); choose a new "
                          "--out or delete it")
     settings.write_text(json.dumps(dataclasses.asdict(work), indent=2))

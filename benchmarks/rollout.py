@@ -5,6 +5,8 @@
                         [--smol-new-tokens 64] [--repeats 5] [--threads 2] [--seed 0]
                         [--malloc-defaults]
     python -m benchmarks.rollout [same options]
+    dagrl bench rollout --distribution [--quick]   # the samplers' distributions, not their
+                                                  # speed: benchmarks/rollout_distribution.py
 
 Backends: `hf` is `model.generate` (the reference every ratio is taken against), `native`
 dagrl's decoder, `vllm` dagrl's vLLM backend (vLLM's engine in this process; needs the
@@ -151,6 +153,11 @@ def bench_model(name: str, model, model_dir: Path, backends: Sequence[str], batc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--distribution" in argv:   # what the samplers draw, not how fast
+        from benchmarks.rollout_distribution import main as distribution_main
+
+        return distribution_main(argv)
     parser = argparse.ArgumentParser(prog="dagrl bench rollout", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="tiny,e2e,smollm2",

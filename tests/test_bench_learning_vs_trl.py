@@ -5,14 +5,16 @@ asserts: the figures are for the bench's reader."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
 from benchmarks import learning
 from benchmarks.learning_report import next_chase_step, print_report
-from benchmarks.learning_vs_trl import WORKLOADS, Progress, saved_steps
+from benchmarks.learning_vs_trl import WORKLOADS, Progress, ours_args, saved_steps, trl_args
 from dagrl.runtime.checkpoint import list_checkpoints
 
 
@@ -202,3 +204,11 @@ def test_a_side_stopped_by_sigterm_records_its_segment_and_resumes(tmp_path):
     assert "evaluation: stopped" in printed, printed
     time.sleep(1)
     assert evaluator() == ""
+
+
+def test_the_seed_reaches_both_sides():
+    # --seed: another draw of both curves (sampling and data order), the same on both sides.
+    work = dataclasses.replace(WORKLOADS["tiny"], seed=3)
+    ours = ours_args(work, Path("model"), Path("train.parquet"), Path("run"))
+    theirs = trl_args(work, Path("model"), Path("train.parquet"), Path("trl"))
+    assert "trainer.seed=3" in ours and theirs[theirs.index("--seed") + 1] == "3"
