@@ -1,13 +1,16 @@
 """The table and the plot of `dagrl bench learning --vs trl` (benchmarks/learning_vs_trl.py).
 
 Held-out accuracy comes from one evaluator for both sides (evaluations: {"initial" |
-"<side>/<step>": {"accuracy", "seconds"}}); train reward and wall-clock from each side's
-progress record (the step's seconds since its run began, model loading included).
+"<side>/<step>": {"accuracy", "seconds", "scores"}}, scores: each held-out problem's, in the
+split's order, so a gap between two checkpoints gets a paired interval); train reward and
+wall-clock from each side's progress record (the step's seconds since its run began, model
+loading included). Several runs (seeds) are read together by benchmarks/learning_seeds.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -71,11 +74,22 @@ def print_report(work: Any, progress: dict, evaluations: dict) -> dict:
         print(f"{LABELS[side]}: {min(done, work.steps)} of {work.steps} steps{beyond}; peak RSS "
               f"{p.peak_rss_gb:.2f} GiB; {len(p.segments)} segment(s), load average {loads}")
     if set(sides) == {"ours", "trl"}:
-        result["comparison"] = compare(work, curves, progress)
+        result["comparison"] = compare(work, curves, progress, evaluations)
     return result
 
 
-def compare(work: Any, curves: dict, progress: dict) -> dict:
+def paired_interval(ours: list[float] | None, theirs: list[float] | None) -> float | None:
+    """Half-width of the 95% interval of mean(ours) - mean(theirs), the two checkpoints' scores
+    on the same held-out problems: 1.96 x std(d) / sqrt(n) over the per-problem differences d
+    (the normal approximation; pairing removes the problems' own difficulty from the noise).
+    None where either side's scores were not recorded."""
+    if not ours or not theirs or len(ours) != len(theirs) or len(ours) < 2:
+        return None
+    diffs = [a - b for a, b in zip(ours, theirs, strict=True)]
+    return 1.96 * statistics.stdev(diffs) / math.sqrt(len(diffs))
+
+
+def compare(work: Any, curves: dict, progress: dict, evaluations: dict) -> dict:
     """The issue's three figures: accuracy from half-way on within 5 points of TRL's (or above),
     dagrl's wall-clock to TRL's last accuracy over TRL's, peak RSS ratio (once both sides have
     run every step)."""
@@ -83,10 +97,19 @@ def compare(work: Any, curves: dict, progress: dict) -> dict:
     trl = {step: (clock, acc) for step, clock, acc in curves["trl"]}
     shared = [s for s in sorted(ours) if s in trl and s >= work.steps / 2]
     gaps = {s: ours[s][1] - trl[s][1] for s in shared}
-    out: dict = {"accuracy_gap": gaps}
+    out: dict = {"accuracy_gap": gaps, "accuracy_gap_interval": {}}
     for step, gap in gaps.items():
+        half = paired_interval(evaluations.get(f"ours/{step}", {}).get("scores"),
+                               evaluations.get(f"trl/{step}", {}).get("scores"))
+        if half is not None:
+            out["accuracy_gap_interval"][step] = half
+        spread = "" if half is None else f" ± {half * 100:.1f}"
         print(f"step {step}: dagrl {ours[step][1]:.3f} vs TRL {trl[step][1]:.3f} "
-              f"({gap * 100:+.1f} points): {'ok' if gap >= -0.05 else 'NOT within 5 points'}")
+              f"({gap * 100:+.1f}{spread} points): "
+              f"{'ok' if gap >= -0.05 else 'NOT within 5 points'}")
+    if out["accuracy_gap_interval"]:
+        print("(±: the 95% interval of the gap over the held-out problems, paired, for these "
+              "two checkpoints; another seed is another draw, not inside it)")
     if trl and max(trl) == work.steps:
         target_clock, target = trl[work.steps]
         reached = [s for s in sorted(ours) if s > 0 and ours[s][1] >= target]

@@ -17,7 +17,11 @@ every `--every` steps (25).
 Held-out accuracy: one evaluator scores both sides' checkpoints and the initial model: dagrl's
 own validation (greedy, 128 tokens, the same scorer) on the model directory, in a process of
 its own, so the accuracy of a checkpoint does not depend on which framework wrote it. Ours are
-exported with `dagrl export`; TRL's checkpoint directories are HF model directories.
+exported with `dagrl export`; TRL's checkpoint directories are HF model directories. Each
+problem's score is kept beside the accuracy, and the report gives every gap between the two
+sides its 95% interval over the problems (paired: the same problems on both sides). That is
+the evaluation's noise only; a run is also one draw of the training, so `--seed` runs another
+and `--across A.json B.json ...` reads several runs together (benchmarks/learning_seeds.py).
 
 Wall-clock: each side runs as its own process, one after the other; a watcher notes when each
 step's record appears (ours: metrics.jsonl; TRL: a callback's JSON line), counted from the
@@ -323,7 +327,11 @@ def run_child(cmd: list[str], env: dict, output) -> tuple[int, float]:
 # --- the evaluator -----------------------------------------------------------------------------
 
 def evaluator_args(work: Workload, train: Path, test: Path, run_dir: Path) -> list[str]:
-    """The same validation settings for every model directory (model.path is added)."""
+    """The same validation settings for every model directory (model.path is added). Every
+    held-out sample is kept (logging.val_generations), so each problem's score is recorded and
+    two checkpoints can be compared problem by problem."""
+    import pyarrow.parquet as pq
+
     config = [str(e2e.SMOLLM2_EXAMPLE), "model.gguf_file="] if work.name == "smollm2" else \
         ["data.max_prompt_length=8"]
     return [*config, f"data.train_files=[{train}]", f"data.val_files=[{test}]",
@@ -331,6 +339,7 @@ def evaluator_args(work: Workload, train: Path, test: Path, run_dir: Path) -> li
             "rollout.val_temperature=0", "trainer.val_before_train=true",
             f"trainer.torch_threads={work.threads}",
             "trainer.device=cpu", f"trainer.run_dir={run_dir}", "logging.backends=[jsonl]",
+            f"logging.val_generations={pq.ParquetFile(test).metadata.num_rows}",
             "logging.progress_bar=false", *precision_args(work)]
 
 
@@ -352,14 +361,20 @@ def evaluate_child(spec_path: str) -> int:
         start = time.perf_counter()
         worker = Worker(prepare_run(cfg), dist)
         metrics = worker.validate(0)
-        del worker          # one model at a time in memory
-        gc.collect()
         scores = [v for k, v in metrics.items() if k.startswith("val/") and k.endswith("/score")]
         if len(scores) != 1:
             raise RuntimeError(f"expected one val/<source>/score, got {sorted(metrics)}")
+        record = {"key": key, "accuracy": scores[0], "seconds": time.perf_counter() - start}
+        each = [sample["score"] for sample in worker.validator.samples]
+        if each:    # in the held-out split's order (one rank, no shuffling)
+            if abs(sum(each) / len(each) - scores[0]) > 1e-6:
+                raise RuntimeError(f"{key}: the kept samples' mean score {sum(each) / len(each)} "
+                                   f"is not the validation's {scores[0]}")
+            record["scores"] = each
+        del worker          # one model at a time in memory
+        gc.collect()
         with open(spec["out"], "a", encoding="utf-8") as f:
-            f.write(json.dumps({"key": key, "accuracy": scores[0],
-                                "seconds": time.perf_counter() - start}) + "\n")
+            f.write(json.dumps(record) + "\n")
     return 0
 
 
@@ -402,8 +417,7 @@ def evaluate(work: Workload, model: Path, train: Path, test: Path, out: Path) ->
         if results.is_file():
             for line in results.read_text().splitlines():
                 record = json.loads(line)
-                done[record["key"]] = {"accuracy": record["accuracy"],
-                                       "seconds": record["seconds"]}
+                done[record.pop("key")] = record
             path.write_text(json.dumps(done, indent=2))
     return done
 
@@ -432,6 +446,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--venv", type=Path, default=e2e.DEFAULT_VENV, help="TRL's venv")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-learning-vs-trl"),
                         help="everything goes here; run again to resume")
+    parser.add_argument("--across", type=Path, nargs="+", metavar="RUN.json",
+                        help="train nothing: read these runs' --json figures (same workload, "
+                        "any seeds) together, each side's runs and their mean "
+                        "(benchmarks/learning_seeds.py)")
     parser.add_argument("--plot", type=Path, help="write the curves to this SVG")
     parser.add_argument("--json", type=Path, help="also write every figure to this file")
     return parser.parse_args(argv)
@@ -443,6 +461,10 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     ns = parse_args(argv)
+    if ns.across:
+        from benchmarks.learning_seeds import summarize
+
+        return summarize(ns.across, ns.plot, ns.json)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _raise_interrupt)
     base = WORKLOADS["tiny" if ns.quick else ns.workload]

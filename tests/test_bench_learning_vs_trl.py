@@ -10,10 +10,11 @@ import json
 import shutil
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from benchmarks import learning
-from benchmarks.learning_report import next_chase_step, print_report
+from benchmarks.learning_report import next_chase_step, paired_interval, print_report
 from benchmarks.learning_vs_trl import WORKLOADS, Progress, ours_args, saved_steps, trl_args
 from dagrl.runtime.checkpoint import list_checkpoints
 
@@ -36,6 +37,13 @@ def test_quick_run_compares_both_sides_and_resumes_each_from_its_checkpoint(tmp_
         assert result[side]["peak_rss_gb"] > 0.1
     # The initial model is scored once and is the first point of both curves.
     assert result["ours"]["accuracy"][0] == result["trl"]["accuracy"][0]
+    # Each held-out problem's score is kept, so the gap gets its paired interval.
+    held_out = pq.ParquetFile(out / "data" / "test.parquet").metadata.num_rows
+    for record in result["evaluations"].values():
+        assert len(record["scores"]) == held_out
+        assert sum(record["scores"]) / held_out == pytest.approx(record["accuracy"])
+    assert set(result["comparison"]["accuracy_gap_interval"]) == {"2", "4"}
+    assert "(±: the 95% interval of the gap over the held-out problems, paired" in printed
     assert plot.read_text().lstrip().startswith(("<?xml", "<svg"))
 
     # An interruption after step 2 on both sides: the step-4 checkpoints never completed.
@@ -212,3 +220,53 @@ def test_the_seed_reaches_both_sides():
     ours = ours_args(work, Path("model"), Path("train.parquet"), Path("run"))
     theirs = trl_args(work, Path("model"), Path("train.parquet"), Path("trl"))
     assert "trainer.seed=3" in ours and theirs[theirs.index("--seed") + 1] == "3"
+
+
+def test_the_gap_between_two_checkpoints_is_paired_over_the_same_problems():
+    # d = (1, 0, 0, -1): std sqrt(2/3), over sqrt(4) problems.
+    assert paired_interval([1, 1, 0, 0], [0, 1, 0, 1]) == pytest.approx(
+        1.96 * (2 / 3) ** 0.5 / 2)
+    # The same answers on every problem: no noise in the gap at all.
+    assert paired_interval([1, 0, 1], [1, 0, 1]) == 0
+    # Recorded before per-problem scores were kept, or on different problems: no interval.
+    assert paired_interval(None, [1, 0]) is None and paired_interval([1, 0], [1, 0, 1]) is None
+
+
+def _run_json(path: Path, seed: int, sides: dict, **workload) -> Path:
+    """A --json result as the bench writes it: {side: {"accuracy": [[step, seconds, acc]],
+    "peak_rss_gb"}}."""
+    work = {**dataclasses.asdict(dataclasses.replace(WORKLOADS["tiny"], seed=seed)), **workload}
+    path.write_text(json.dumps({"workload": work, **{
+        side: {"accuracy": curve, "peak_rss_gb": peak} for side, (curve, peak) in sides.items()}}))
+    return path
+
+
+def test_runs_of_several_seeds_are_read_together(tmp_path, capsys):
+    a = _run_json(tmp_path / "a.json", 0, {
+        "ours": ([[0, 0, 0.2], [2, 60, 0.5], [4, 120, 0.6]], 4.0),
+        "trl": ([[0, 0, 0.2], [2, 300, 0.4], [4, 600, 0.7]], 9.0)})
+    b = _run_json(tmp_path / "b.json", 1, {
+        "ours": ([[0, 0, 0.2], [2, 100, 0.7], [4, 180, 0.8]], 4.2)})
+    c = _run_json(tmp_path / "c.json", 2, {
+        "trl": ([[0, 0, 0.2], [2, 340, 0.5], [4, 680, 0.5]], 8.6)})
+    figures = tmp_path / "seeds.json"
+    assert learning.main(["--vs", "trl", "--across", str(a), str(b), str(c),
+                          "--json", str(figures)]) == 0
+    printed = capsys.readouterr().out
+    assert "| 2 | 0.600 (0.500, 0.700) | 1.3 | 0.450 (0.400, 0.500) | 5.3 |" in printed
+    assert "dagrl: 2 run(s), seeds 0, 1; step 4: 0.600-0.800, std 14.1 points" in printed
+    # Mean curves: dagrl (0.6, 0.7) against TRL (0.45, 0.6); dagrl's mean reaches TRL's mean
+    # final 0.6 at step 2, after 80 s of TRL's 640.
+    assert "mean step 4: dagrl 0.700 vs TRL 0.600 (+10.0 points): ok" in printed
+    assert "at step 2, 1.3 min = 0.12x TRL's mean 10.7 min (target <= 0.5x: met)" in printed
+    assert "mean peak RSS dagrl / TRL = 0.47x" in printed
+    result = json.loads(figures.read_text())
+    assert result["comparison"]["time_to_trl_final"] == {"step": 2, "ratio": 80 / 640}
+
+    # Another workload (here another learning rate) is refused, naming the file and the key.
+    d = _run_json(tmp_path / "d.json", 3, {"ours": ([[0, 0, 0.2]], 4.0)}, lr=1e-4)
+    with pytest.raises(SystemExit, match=r"d.json: another workload than .*a.json \(lr: "):
+        learning.main(["--vs", "trl", "--across", str(a), str(d)])
+    (tmp_path / "e.json").write_text("{}")
+    with pytest.raises(SystemExit, match="e.json: not a --json result of the learning bench"):
+        learning.main(["--vs", "trl", "--across", str(a), str(tmp_path / "e.json")])
