@@ -175,12 +175,7 @@ def next_chase_step(work: Any, max_steps: int, progress: dict,
 def write_plot(path: Path, work: Any, progress: dict, evaluations: dict) -> None:
     """Held-out accuracy against step and against wall-clock, and the train reward (a moving
     mean over 10 steps) against step, both sides, as an SVG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    matplotlib.rcParams["svg.fonttype"] = "none"    # text as text: a small, searchable file
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for side in [s for s in ("ours", "trl") if s in progress]:
         p, color = progress[side], COLORS[side]
@@ -202,6 +197,23 @@ def write_plot(path: Path, work: Any, progress: dict, evaluations: dict) -> None
     axes[0].legend(loc="lower right", fontsize=8)
     fig.suptitle(f"GRPO, {work.name}: {work.prompts} prompts x {work.samples} samples per step, "
                  f"{work.precision}, same hyper-parameters and evaluator on both sides")
+    save_svg(fig, path)
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot, drawing off-screen, SVG text kept as text (small, searchable)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    matplotlib.rcParams["svg.fonttype"] = "none"
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_svg(fig: Any, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="svg", metadata={"Date": None})   # no timestamp: diffs stay small

@@ -20,7 +20,7 @@ import json
 import statistics
 from pathlib import Path
 
-from benchmarks.learning_report import CHASE_BUDGET, COLORS, LABELS
+from benchmarks.learning_report import CHASE_BUDGET, COLORS, LABELS, pyplot, save_svg
 
 # Workload fields that may differ between the runs read together: the draw, and how far a
 # side trained (a run past --steps still has its points at the shared steps).
@@ -129,13 +129,7 @@ def compare_means(work: dict, runs: list[dict], steps: list[int]) -> dict:
 def write_plot(path: Path, work: dict, runs: list[dict], sides: list[str],
                steps: list[int]) -> None:
     """Held-out accuracy against step and against wall-clock: each run thin, the mean bold."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    matplotlib.rcParams["svg.fonttype"] = "none"
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    fig, axes = pyplot().subplots(1, 2, figsize=(10, 4))
     for side in sides:
         for run in [r for r in runs if side in r]:
             curve = sorted((s, c, a) for s, (c, a) in points(run, side).items())
@@ -156,10 +150,7 @@ def write_plot(path: Path, work: dict, runs: list[dict], sides: list[str],
     axes[0].legend(loc="lower right", fontsize=8)
     fig.suptitle(f"GRPO, {work['name']}, {work['precision']}: every run (thin) and the mean "
                  "(bold)")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, format="svg", metadata={"Date": None})
-    plt.close(fig)
+    save_svg(fig, path)
 
 
 def summarize(paths: list[Path], plot: Path | None, json_out: Path | None) -> int:

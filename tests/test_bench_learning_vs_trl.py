@@ -94,7 +94,8 @@ def test_quick_run_compares_both_sides_and_resumes_each_from_its_checkpoint(tmp_
     assert [step for step, _, _ in result["trl"]["accuracy"]] == [0, 2, 4]
     progress = Progress(out / "ours" / "progress.json")
     assert [seg["from_step"] for seg in progress.segments] == [0, 2, 4]
-    assert progress.clock[6] > progress.clock[5] > progress.clock[4]
+    # (two steps whose records land within one 0.2 s look of the watcher share a time)
+    assert progress.clock[6] >= progress.clock[5] > progress.clock[4]
     assert saved_steps("ours", out / "ours") == [2, 4, 6]
 
 
