@@ -14,8 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from benchmarks import learning
+from benchmarks.learning_eval import saved_steps
 from benchmarks.learning_report import next_chase_step, paired_interval, print_report
-from benchmarks.learning_vs_trl import WORKLOADS, Progress, ours_args, saved_steps, trl_args
+from benchmarks.learning_vs_trl import WORKLOADS, Progress, ours_args, trl_args
 from dagrl.runtime.checkpoint import list_checkpoints
 
 
