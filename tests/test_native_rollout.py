@@ -262,3 +262,47 @@ def test_lm_head_blocks_give_row_major_logits(monkeypatch):
     logits = native_ops.head_logits(x, weight)
     assert logits.shape == (5, 100) and logits.is_contiguous()
     torch.testing.assert_close(logits, torch.nn.functional.linear(x, weight), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("layout", ["row-major", "feature-major"])
+def test_projection_of_every_decode_row_count_equals_linear(monkeypatch, layout):
+    """`project` pads its few-row operand to the row count MKL runs fastest (up to 8 rows more,
+    row-major): for every count, and with a bias and a blocked weight, each row's result is
+    F.linear's and keeps the decode step's feature-major layout."""
+    monkeypatch.setattr(native_ops, "WEIGHT_MAJOR_CHUNK_ROWS", 48)
+    torch.manual_seed(0)
+    weight, bias = torch.randn(40, 24), torch.randn(40)
+    big = torch.randn(100, 24)                                # 100 > 48: in blocks
+    for rows in range(1, 34):
+        x = torch.randn(rows, 24)
+        if layout == "feature-major":
+            x = native_ops.feature_major(x)
+        for w, b in ((weight, None), (weight, bias), (big, None)):
+            out = native_ops.project(x, w, b)
+            assert out.shape == (rows, w.shape[0])
+            assert rows == 1 or native_ops.is_feature_major(out)
+            torch.testing.assert_close(out, torch.nn.functional.linear(x, w, b),
+                                       rtol=1e-5, atol=1e-5)
+        logits = native_ops.head_logits(x, big)
+        assert logits.is_contiguous()
+        torch.testing.assert_close(logits, torch.nn.functional.linear(x, big), rtol=1e-5,
+                                   atol=1e-5)
+
+
+def test_finished_rows_leave_the_cache_in_place():
+    """Dropping finished rows moves the kept rows' written columns to the front of the same
+    storage: they equal the rows picked out of the old cache, and nothing is allocated at the
+    cache's size."""
+    from dagrl.rollout.native_decoder import _drop_rows
+
+    torch.manual_seed(0)
+    cache = torch.randn(3, 7, 2, 5, 9)                 # [L, A, nkv, S, hd], 5 columns
+    keep = torch.tensor([True, True, False, True, False, False, True])
+    written = 3
+    expected = cache[:, keep, :, :written].clone()
+    out = _drop_rows(cache, keep, written=written, column_dim=3)
+    assert out.shape == (3, 4, 2, 5, 9)
+    assert out.untyped_storage().data_ptr() == cache.untyped_storage().data_ptr()
+    assert torch.equal(out[:, :, :, :written], expected)
+    out[:, 1, :, written] = 7.0                        # the next column is still writable
+    assert (cache[:, 1, :, written] == 7.0).all()

@@ -350,7 +350,9 @@ class FastDecoder:
                 rows, token = rows[keep], token[keep]
                 if rows.numel() == 0:
                     break
-                k_cache, v_cache = k_cache[:, keep], v_cache[:, keep]
+                # Columns 0..P+t-1 hold keys and values so far; column P+t is written next.
+                k_cache = _drop_rows(k_cache, keep, written=P + t, column_dim=4)
+                v_cache = _drop_rows(v_cache, keep, written=P + t, column_dim=3)
                 key_bias = key_bias[keep]
             col = P + t
             cos, sin = ((step_cos[t], step_sin[t]) if rows is None else
@@ -364,6 +366,22 @@ class FastDecoder:
             logits = self._logits(x, final_norm, lm_head)
         response_mask = (torch.arange(R, device=device) < length[:, None]).float()
         return responses, response_mask, logprobs
+
+
+def _drop_rows(cache: torch.Tensor, keep: torch.Tensor, written: int,
+               column_dim: int) -> torch.Tensor:
+    """The KV cache [L, A, ...] without the rows where `keep` is False: the kept rows moved to
+    the front of the same storage, returned as a view [L, A', ...].
+
+    Why not `cache[:, keep]`: that copies every kept row's every column into a fresh
+    cache-sized block (whose pages the kernel then faults in), each time a sequence ends. Rows
+    before the first finished one are already in place, and only the `written` columns hold
+    anything yet, so only those are moved. The values are the same either way."""
+    first = int((~keep).nonzero()[0])                     # rows before it stay where they are
+    kept = keep.nonzero().flatten()
+    filled = cache.narrow(column_dim, 0, written)
+    filled[:, first:kept.numel()] = filled[:, kept[first:]]   # gathered first, then written
+    return cache[:, :kept.numel()]
 
 
 def _trim_prompts(prompt_ids: torch.Tensor,

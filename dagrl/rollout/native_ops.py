@@ -31,21 +31,43 @@ def project(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     which MKL's sgemm runs faster than x @ W^T. The result is a transposed view
     ("feature-major" memory): the decoder keeps its whole residual stream in that layout, so
     elementwise ops never mix layouts. Many rows (prefill) keep F.linear, which is faster
-    there. Both orders give the same sums: the results equal F.linear's bit for bit on this
-    build. Measurements: docs/performance.md.
+    there. The operand is padded to a fast row count (`_sgemm_operand`). The results equal
+    F.linear's bit for bit at 1 and at 12 or more rows on this build (SmolLM2's shapes) and
+    by float rounding at 2-11. Measurements: docs/performance.md.
     """
     if x.shape[0] >= WEIGHT_MAJOR_MAX_ROWS or not _weight_major_pays(x):
         return F.linear(x, weight, bias)
+    rows, operand = x.shape[0], _sgemm_operand(x)
     if weight.shape[0] <= WEIGHT_MAJOR_CHUNK_ROWS:
-        out = torch.mm(weight, x.t())                                  # [N, M]
+        out = torch.mm(weight, operand.t())                            # [N, M']
     else:
         # A large weight in blocks of rows: MKL blocks one huge product less well (same sums).
-        out = x.new_empty(weight.shape[0], x.shape[0])
+        out = x.new_empty(weight.shape[0], operand.shape[0])
         for start in range(0, weight.shape[0], WEIGHT_MAJOR_CHUNK_ROWS):
             stop = start + WEIGHT_MAJOR_CHUNK_ROWS
-            torch.mm(weight[start:stop], x.t(), out=out[start:stop])
-    out = out.t()                                                      # [M, N], strides (1, M)
+            torch.mm(weight[start:stop], operand.t(), out=out[start:stop])
+    out = out[:, :rows].t()                                            # [M, N], strides (1, M')
     return out if bias is None else out + bias
+
+
+def _sgemm_operand(x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] as the right operand of W @ x^T that MKL's AVX2 sgemm runs fastest: [M', K]
+    row-major (x^T then a transposed view), its rows zero-padded to a multiple of 8 above 4.
+
+    Few-row products cost by M's residue more than by its size. SmolLM2's 30 decoder layers
+    (W @ x^T, 2 threads): 25-33 ms at 1-4 rows row-major, but 72-108 ms at 2-11 rows
+    feature-major, the decoder's layout; from 12 rows the layout does not matter and 16, 24, 32
+    rows take 39, 55, 57 ms against up to 106 ms at the counts between (31 rows), and the
+    same holds to 512 rows (docs/performance.md). The copy is at most [M', K] floats; the zero
+    rows' products are sliced off, and no real row's sums involve them.
+    """
+    rows = x.shape[0]
+    padded = rows if rows <= 4 or rows % 8 == 0 else -(-rows // 8) * 8
+    if padded == rows:   # 1-4 and 8 rows row-major (no copy when they are); 16, 24, ... as is
+        return x.contiguous() if rows <= 8 else x
+    operand = x.new_zeros(padded, x.shape[1])
+    operand[:rows] = x
+    return operand
 
 
 def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -60,11 +82,12 @@ def head_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             or weight.shape[0] <= WEIGHT_MAJOR_CHUNK_ROWS:
         return project(x, weight, None).contiguous()
     out = x.new_empty(rows, weight.shape[0])
-    block = x.new_empty(WEIGHT_MAJOR_CHUNK_ROWS, rows)
+    operand = _sgemm_operand(x)
+    block = x.new_empty(WEIGHT_MAJOR_CHUNK_ROWS, operand.shape[0])
     for start in range(0, weight.shape[0], WEIGHT_MAJOR_CHUNK_ROWS):
         part = weight[start:start + WEIGHT_MAJOR_CHUNK_ROWS]
-        torch.mm(part, x.t(), out=block[:part.shape[0]])
-        out[:, start:start + part.shape[0]].copy_(block[:part.shape[0]].t())
+        torch.mm(part, operand.t(), out=block[:part.shape[0]])
+        out[:, start:start + part.shape[0]].copy_(block[:part.shape[0], :rows].t())
     return out
 
 
