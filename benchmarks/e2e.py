@@ -396,6 +396,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     resolve_precision(ns.precision))
 
     python = ensure_trl_venv(ns.venv) if any(s.startswith("trl") for s in sides) else None
+    # Absolute: our side's child runs in the checkout (`python -m benchmarks.e2e`), so a
+    # relative --out given from elsewhere would name another folder there.
+    ns.out = ns.out.resolve()
     ns.out.mkdir(parents=True, exist_ok=True)
     gflops_before = matmul_gflops(work.threads, dtype=work.precision)
     model, data = write_workload(ns.out, work.name)

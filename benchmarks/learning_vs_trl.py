@@ -328,6 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sides = ns.sides.split(",")
     if set(sides) - set(SIDES):
         raise SystemExit(f"--sides takes ours, trl or both, not {ns.sides}")
+    # Absolute: the sides and the evaluator run in the checkout (learning_eval.run_child),
+    # so a relative --out given from elsewhere would name another folder there.
+    ns.out = ns.out.resolve()
     ns.out.mkdir(parents=True, exist_ok=True)
     settings = ns.out / "workload.json"
     # A run recorded before the seed was an option ran seed 0.

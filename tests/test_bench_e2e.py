@@ -10,10 +10,12 @@ from benchmarks import e2e
 
 
 @pytest.mark.slow
-def test_our_side_runs_and_reports_against_the_limit(tmp_path, capsys):
+def test_our_side_runs_and_reports_against_the_limit(tmp_path, capsys, monkeypatch):
     out = tmp_path / "result.json"
+    # A relative --out, given from outside the checkout (our side's child runs in it).
+    monkeypatch.chdir(tmp_path)
     rc = e2e.main(["--sides", "ours", "--steps", "2", "--prompts", "2", "--samples", "2",
-                   "--tokens", "4", "--out", str(tmp_path / "run"), "--json", str(out)])
+                   "--tokens", "4", "--out", "run", "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
     assert "ours:" in printed and "limit:" in printed and "ratio" not in printed
